@@ -1,0 +1,92 @@
+"""Records -> variable-length training examples {"tokens", "loss_mask"}, and cutting long ones.
+
+An example is a pair of int32 arrays of equal length:
+  tokens     the token ids of one document or conversation;
+  loss_mask  1 where the token at that position is a valid *target* (for SFT: assistant tokens).
+The packer (c2/data/packing.py) lays examples side by side into fixed-length rows; the model step
+shifts targets within each document itself, so nothing here is shifted.
+
+The transforms are module-level classes so grain worker processes can pickle them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import grain
+import numpy as np
+
+from c2.data import chat
+from c2.data.tokenizer import Tokenizer
+
+
+def _example(tokens, loss_mask) -> dict[str, np.ndarray]:
+  return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(loss_mask, np.int32)}
+
+
+class DocumentToExample(grain.transforms.Map):
+  """A text document as `[BOS] text [EOS]`, every token a target.
+
+  EOS is a target so the model learns where documents end; BOS never is (the packer zeroes the
+  first position of every segment, since nothing before it in the document predicts it).
+  """
+
+  def __init__(self, tokenizer: Tokenizer, text_field: str = "text"):
+    self._tokenizer = tokenizer
+    self._text_field = text_field
+
+  def map(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    ids = [self._tokenizer.bos_id, *self._tokenizer.encode(record[self._text_field]),
+           self._tokenizer.eos_id]
+    return _example(ids, np.ones(len(ids), np.int32))
+
+
+def _maybe_json(value: Any) -> Any:
+  # Parquet stores nested lists as structs, but corpora often keep them as JSON strings instead.
+  return json.loads(value) if isinstance(value, str) else value
+
+
+class ConversationToExample(grain.transforms.Map):
+  """A {"messages": [...], "tools": [...]} record rendered by the Kimi template.
+
+  Loss only on assistant replies of the current turn (after the last user message), rendered
+  with their reasoning, as c2/data/chat.py describes; earlier turns are context.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, *, train_on: str = "current_turn",
+               default_system_prompt: str | None = chat.KIMI_DEFAULT_SYSTEM_PROMPT):
+    self._tokenizer = tokenizer
+    self._train_on = train_on
+    self._default_system_prompt = default_system_prompt
+
+  def map(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    rendered = chat.render_chat(
+        self._tokenizer, _maybe_json(record["messages"]), _maybe_json(record.get("tools")),
+        default_system_prompt=self._default_system_prompt,
+        history_reasoning="current_turn", train_on=self._train_on)
+    return _example(rendered.token_ids, rendered.assistant_mask)
+
+
+class CutToLength(grain.experimental.FlatMapTransform):
+  """Cuts examples longer than `max_length` into pieces that overlap by one token.
+
+  Each piece becomes its own packed segment. The overlap makes the last token of one piece the
+  first of the next, so every next-token transition of the original example is trained exactly
+  once (a piece's first token is never a target).
+  """
+
+  def __init__(self, max_length: int):
+    if max_length < 2:
+      raise ValueError("pieces need at least two tokens to hold a transition")
+    self._max_length = max_length
+    # grain's FlatMap API asks for a fan-out bound; the iterator version does not enforce it.
+    self.max_fan_out = 1 << 20
+
+  def flat_map(self, example: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    length = len(example["tokens"])
+    if length <= self._max_length:
+      return [dict(example)]
+    stride = self._max_length - 1
+    starts = range(0, length - 1, stride)
+    return [{key: value[start:start + self._max_length] for key, value in example.items()}
+            for start in starts]

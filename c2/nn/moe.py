@@ -1,0 +1,154 @@
+"""Mixture-of-experts FFN: sigmoid router, dropless routed experts, one shared expert.
+
+Glossary: B batch, T length, D model width, E routed experts, F expert FFN width, K top-k.
+
+  y = shared(x) + sum_k w_k * expert_{idx_k}(x)
+On a mesh, the routed part runs inside `shard_map` (batch, length and expert axes manual): each
+shard routes its own tokens and, with expert parallelism, exchanges them with an explicit
+all-to-all (`c2.nn.dispatch`). Expert FFN columns sharded over `tensor` are summed with a psum.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from c2.nn import dispatch
+from c2.nn.layers import GatedFFN, default_init, logical_param
+from c2.nn.router import expert_load, route
+from c2.ops.gmm import grouped_matmul
+from c2.sharding import constrain, logical_to_spec
+
+
+def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, token_mask: jax.Array) -> jax.Array:
+  """DeepSeek-V3 sequence-wise balance loss without alpha: mean over rows of sum_i f_i * P_i.
+
+  scores [B, T, E] sigmoid affinities, expert_ids [B, T, K], token_mask [B, T].
+  f_i = E / (K * T_valid) * #choices of expert i; P_i = mean_t s_i / sum_j s_j.
+  """
+  e, k = scores.shape[-1], expert_ids.shape[-1]
+  mask = token_mask.astype(jnp.float32)
+  valid = jnp.maximum(mask.sum(-1), 1.0)  # [B]
+  chosen = jax.nn.one_hot(expert_ids, e, dtype=jnp.float32).sum(-2)  # [B, T, E]
+  f = e / (k * valid[:, None]) * jnp.einsum("BTE,BT->BE", chosen, mask)
+  normalised = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+  p = jnp.einsum("BTE,BT->BE", normalised, mask) / valid[:, None]
+  return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def _straight_through(fn, x):
+  """Applies a non-differentiable transport (quantise/dequantise) with an identity gradient."""
+  return x + jax.lax.stop_gradient(fn(x).astype(x.dtype) - x)
+
+
+class MoE(nn.Module):
+  num_experts: int
+  experts_per_token: int
+  expert_ffn_size: int
+  shared_ffn_size: int
+  n_group: int
+  topk_group: int
+  norm_topk_prob: bool
+  routed_scaling_factor: float
+  gmm_impl: str = "auto"
+  gmm_fmt: str = "bf16"
+  gmm_bwd_fmt: Optional[str] = None
+  dispatch_fmt: Optional[str] = None
+  a2a_impl: str = "auto"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, segment_ids: jax.Array,
+               forced_routes: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+    """x [B, T, D] -> (y [B, T, D], aux) with aux = load [E], balance_loss [], routes [B, T, K]."""
+    b, t, d = x.shape
+    e, f, k = self.num_experts, self.expert_ffn_size, self.experts_per_token
+    router_kernel = logical_param(self, "router", (d, e), ("embed", None), default_init(),
+                                  self.param_dtype)
+    # Float32 always: its updates are +-gamma steps far below bf16 resolution near 1.
+    bias = logical_param(self, "correction_bias", (e,), (None,), nn.initializers.zeros, jnp.float32)
+    w_gate = logical_param(self, "gate", (e, d, f), ("experts", "embed", "expert_mlp"),
+                           default_init(), self.param_dtype).astype(self.dtype)
+    w_up = logical_param(self, "up", (e, d, f), ("experts", "embed", "expert_mlp"),
+                         default_init(), self.param_dtype).astype(self.dtype)
+    w_down = logical_param(self, "down", (e, f, d), ("experts", "expert_mlp", "embed"),
+                           default_init(), self.param_dtype).astype(self.dtype)
+
+    tokens = x.reshape(b * t, d)
+    forced = None if forced_routes is None else forced_routes.reshape(b * t, k)
+    routes = route(tokens, router_kernel, bias, top_k=k, n_group=self.n_group,
+                   topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                   routed_scaling_factor=self.routed_scaling_factor, forced_expert_ids=forced)
+    expert_ids = routes.expert_ids.reshape(b, t, k)
+    weights = routes.weights.reshape(b, t, k)
+    token_mask = segment_ids > 0
+
+    routed = self._routed_experts(x.astype(self.dtype), expert_ids, weights, w_gate, w_up, w_down)
+    shared = GatedFFN(self.shared_ffn_size, self.dtype, self.param_dtype, name="shared")(x)
+    y = constrain(routed.astype(self.dtype) + shared, ("batch", "length", "act_embed"))
+    aux = {
+        "load": expert_load(routes.expert_ids, token_mask.reshape(-1), e),
+        "balance_loss": sequence_balance_loss(routes.scores.reshape(b, t, e), expert_ids, token_mask),
+        "routes": expert_ids,
+    }
+    return y, aux
+
+  def _gmm(self):
+    return functools.partial(grouped_matmul, impl=self.gmm_impl, fmt=self.gmm_fmt,
+                             bwd_fmt=self.gmm_bwd_fmt)
+
+  def _transport(self):
+    if self.dispatch_fmt is None:
+      return None
+    from pallas_kernels import quant  # pylint: disable=import-outside-toplevel
+    qdq = lambda rows: quant.dequantize(quant.quantize(rows, self.dispatch_fmt))
+    return functools.partial(_straight_through, qdq)
+
+  def _routed_experts(self, x, expert_ids, weights, w_gate, w_up, w_down):
+    b, t, d = x.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1:
+      y = dispatch.local_ffn(x.reshape(b * t, d), expert_ids.reshape(b * t, -1),
+                             weights.reshape(b * t, -1), w_gate, w_up, w_down, self._gmm())
+      return y.reshape(b, t, d)
+
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    token_spec = logical_to_spec(("batch", "length", None), x.shape, sizes)
+    route_spec = logical_to_spec(("batch", "length", None), expert_ids.shape, sizes)
+    w_in_spec = logical_to_spec(("experts", None, "expert_mlp"), w_gate.shape, sizes)
+    w_out_spec = logical_to_spec(("experts", "expert_mlp", None), w_down.shape, sizes)
+    expert_axis, tensor_axis = w_in_spec[0], w_in_spec[2]
+    num_shards = math.prod(sizes[a] for a in _as_tuple(expert_axis))
+    a2a_impl = self.a2a_impl
+    if a2a_impl == "auto":
+      a2a_impl = "padded" if jax.default_backend() == "cpu" else "ragged"
+    gmm, transport = self._gmm(), self._transport()
+
+    def body(x_, ids_, w_, gate_, up_, down_):
+      b_, t_, _ = x_.shape
+      args = (x_.reshape(b_ * t_, d), ids_.reshape(b_ * t_, -1), w_.reshape(b_ * t_, -1),
+              gate_, up_, down_, gmm)
+      if num_shards == 1:
+        y_ = dispatch.local_ffn(*args)
+      else:
+        y_ = dispatch.expert_parallel_ffn(*args, axis_name=expert_axis, num_shards=num_shards,
+                                          a2a_impl=a2a_impl, transport_fn=transport)
+      if tensor_axis is not None:
+        y_ = jax.lax.psum(y_, tensor_axis)  # expert FFN columns were split over `tensor`
+      return y_.reshape(b_, t_, d)
+
+    return jax.shard_map(body, in_specs=(token_spec, route_spec, route_spec, w_in_spec, w_in_spec,
+                                         w_out_spec),
+                         out_specs=token_spec, check_vma=False)(x, expert_ids, weights, w_gate,
+                                                                w_up, w_down)
+
+
+def _as_tuple(axis) -> tuple:
+  if axis is None:
+    return ()
+  return axis if isinstance(axis, tuple) else (axis,)

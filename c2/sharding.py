@@ -1,0 +1,171 @@
+"""Logical axis names, the one table that maps them to mesh axes, and sharding reports.
+
+Model code names every dimension with a logical name from this vocabulary; `RULES` decides which
+mesh axes shard it. Changing a parallelism layout means editing this table, never the model.
+
+Activations:
+  batch       sequences in a batch                  -> data, fsdp, expert
+  length      positions in a sequence               -> context
+  act_embed   model width of activations            -> (replicated)
+  act_heads   attention heads of activations        -> tensor
+  act_mlp     FFN hidden units of activations       -> tensor
+  act_vocab   vocabulary logits                     -> tensor
+Parameters:
+  embed       model width of weights                -> fsdp, expert, context (ZeRO-3 style:
+              the expert and context axes also split the batch, so they shard weights too)
+  q_lora, kv_lora  the latent input dims of q_b/kv_b -> fsdp, expert, context
+  vocab       vocabulary rows / columns             -> tensor
+  heads       attention heads                       -> tensor
+  mlp         dense FFN hidden units                -> tensor
+  experts     routed experts                        -> expert
+  expert_mlp  expert FFN hidden units               -> tensor
+  head_dim, layers, norm                            -> (replicated)
+
+A mesh axis is used at most once per array, and an axis that does not divide the dimension is
+dropped (the dimension stays replicated along it); `report` makes both visible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("context",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "embed": ("fsdp", "expert", "context"),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "experts": ("expert",),
+    "expert_mlp": ("tensor",),
+    "q_lora": ("fsdp", "expert", "context"),
+    "kv_lora": ("fsdp", "expert", "context"),
+    "head_dim": (),
+    "layers": (),
+    "norm": (),
+}
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int],
+                    axis_sizes: Mapping[str, int], rules: Mapping[str, tuple[str, ...]] = RULES) -> P:
+  """Maps logical dimension names to a PartitionSpec valid for `shape` on a mesh of `axis_sizes`."""
+  if len(names) != len(shape):
+    raise ValueError(f"logical names {tuple(names)} do not match rank of shape {tuple(shape)}")
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(names, shape):
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in rules:
+      raise KeyError(f"logical axis {name!r} has no rule; add it to c2.sharding.RULES")
+    axes = [a for a in rules[name] if a in axis_sizes and axis_sizes[a] > 1 and a not in used]
+    while axes and dim % math.prod(axis_sizes[a] for a in axes):
+      axes.pop()  # Drop the innermost axis until the dimension divides evenly.
+    used.update(axes)
+    spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+  return P(*spec)
+
+
+def _active_axis_sizes() -> dict[str, int] | None:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint by logical names; a no-op when no mesh is set (single-device runs)."""
+  axis_sizes = _active_axis_sizes()
+  if axis_sizes is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, axis_sizes))
+
+
+def mesh_axes_of(name: str, mesh_axis_sizes: Mapping[str, int]) -> tuple[str, ...]:
+  """The mesh axes (of size > 1) that the rules map a logical name to."""
+  return tuple(a for a in RULES[name] if mesh_axis_sizes.get(a, 1) > 1)
+
+
+def param_specs(boxed_abstract_params: Any, mesh: jax.sharding.Mesh) -> Any:
+  """PartitionSpecs for a tree of `nn.LogicallyPartitioned` (as from `jax.eval_shape(init)`)."""
+  axis_sizes = dict(mesh.shape)
+
+  def one(leaf):
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      return logical_to_spec(leaf.names, leaf.value.shape, axis_sizes)
+    return P()
+
+  return jax.tree.map(one, boxed_abstract_params,
+                      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def named_shardings(specs: Any, mesh: jax.sharding.Mesh) -> Any:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRow:
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: str
+  bytes_total: int
+  bytes_per_device: int
+
+
+def report(abstract_tree: Any, shardings: Any) -> list[ShardingRow]:
+  """One row per array: path, shape, dtype, spec and bytes per device."""
+  rows = []
+  flat, _ = jax.tree_util.tree_flatten_with_path(abstract_tree)
+  flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  for (path, leaf), sharding in zip(flat, flat_shardings):
+    total = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    shard_shape = sharding.shard_shape(leaf.shape)
+    per_device = int(np.prod(shard_shape)) * np.dtype(leaf.dtype).itemsize
+    rows.append(ShardingRow(jax.tree_util.keystr(path, simple=True, separator="/"),
+                            tuple(leaf.shape), str(np.dtype(leaf.dtype)), str(sharding.spec),
+                            total, per_device))
+  return rows
+
+
+def format_report(rows: Sequence[ShardingRow], limit: int | None = None) -> str:
+  lines = [f"{'name':<58} {'shape':<24} {'dtype':<9} {'spec':<40} {'MiB/dev':>10}"]
+  for row in rows[:limit]:
+    lines.append(f"{row.name:<58} {str(row.shape):<24} {row.dtype:<9} {row.spec:<40} "
+                 f"{row.bytes_per_device / 2**20:>10.2f}")
+  total = sum(r.bytes_total for r in rows)
+  per_device = sum(r.bytes_per_device for r in rows)
+  lines.append(f"total {total / 2**30:.3f} GiB, per device {per_device / 2**30:.3f} GiB "
+               f"({len(rows)} arrays)")
+  return "\n".join(lines)
+
+
+def check_replication(rows: Sequence[ShardingRow], num_devices: int, *,
+                      max_replicated_fraction: float = 0.05, min_bytes: int = 1 << 20) -> None:
+  """Fails when arrays left fully replicated hold more than a fraction of the per-device bytes.
+
+  Small arrays (norm scales, router biases) are expected to be replicated; a big replicated
+  weight on a multi-device mesh is nearly always a missing rule or an indivisible dimension.
+  """
+  if num_devices == 1:
+    return
+  per_device = sum(r.bytes_per_device for r in rows)
+  offenders = [r for r in rows if r.bytes_per_device == r.bytes_total and r.bytes_total >= min_bytes]
+  replicated = sum(r.bytes_per_device for r in offenders)
+  if per_device and replicated / per_device > max_replicated_fraction:
+    names = ", ".join(f"{r.name} {r.shape}" for r in offenders[:8])
+    raise ValueError(
+        f"{replicated / per_device:.1%} of per-device bytes are fully replicated "
+        f"(limit {max_replicated_fraction:.0%}): {names}. Add or fix a rule in c2.sharding.RULES, "
+        "or choose mesh axis sizes that divide these dimensions.")
