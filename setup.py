@@ -9,6 +9,7 @@ CORE = [
     "grain==0.2.18",
     "ml-collections==1.1.0",
     "tensorboard==2.21.0",
+    "tensorboardX==2.6.5",  # text + hparams summaries without TensorFlow
     "tokenizers==0.23.3",
     "tiktoken==0.14.0",
     "safetensors==0.8.0",

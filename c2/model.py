@@ -58,9 +58,10 @@ def init_params(cfg: ModelConfig, rng: jax.Array, mesh: Optional[jax.sharding.Me
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
-            forced_routes: Optional[jax.Array] = None, with_mtp: bool = True) -> dict:
+            forced_routes: Optional[jax.Array] = None, with_mtp: bool = True,
+            detach_mtp_inputs: bool = False) -> dict:
   return build(cfg).apply({"params": params}, tokens, segment_ids, positions, forced_routes,
-                          with_mtp)
+                          with_mtp, detach_mtp_inputs)
 
 
 def head_kernel(cfg: ModelConfig, params: Params) -> jax.Array:

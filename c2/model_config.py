@@ -202,7 +202,7 @@ PRESETS = {
         v_head_dim=32, routed_scaling_factor=2.827, rope_theta=50000.0, rms_norm_eps=1e-5,
         max_position_embeddings=8192, bos_token_id=0, eos_token_id=1,
         rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=2048),
-        mtp_depth=1),
+        mtp_depth=1, remat_policy="none"),  # memory is no issue at this size; speed is
 }
 
 

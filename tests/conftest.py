@@ -25,3 +25,48 @@ def small_cfg():
   return get_preset("tiny", dtype="float32", num_layers=2, hidden_size=64, dense_ffn_size=128,
                     moe_ffn_size=32, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                     qk_rope_head_dim=8, v_head_dim=16, vocab_size=512, remat_policy="none")
+
+
+SMALL_MODEL = dict(num_layers=2, hidden_size=64, dense_ffn_size=128, moe_ffn_size=32,
+                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=16, vocab_size=512, remat_policy="none")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_512(tmp_path_factory):
+  """A 512-id default (stdlib BPE) tokenizer file, trained once per session on 600 KB."""
+  from c2.data import default_tokenizer
+  return default_tokenizer.ensure_default_tokenizer(
+      tmp_path_factory.mktemp("tok512"), vocab_size=512, max_train_bytes=600_000)
+
+
+@pytest.fixture
+def small_experiment(tokenizer_512):
+  """experiments/pretrain.py:tiny shrunk to seconds per step; returns (ExperimentConfig, seed_dir).
+
+  Call `seed_dir(workdir)` to place the cached tokenizer in a workdir before `train.run`.
+  """
+  import shutil
+
+  from c2 import config as config_lib
+  from c2.experiments_loader import load_experiment
+
+  def build(**overrides):
+    c = load_experiment("experiments/pretrain.py", "tiny")
+    c.model.update(SMALL_MODEL)
+    c.data.update(seq_len=64, global_batch_size=8, tokenizer_vocab_size=512)
+    c.optim.update(warmup_steps=2, peak_lr=3e-3)
+    c.train.update(steps=6, max_minutes=None, log_every=1, eval_every=3, eval_batches=1,
+                   ce_chunk_size=256)
+    c.checkpoint.update(every_steps=3, async_save=False)
+    for dotted, value in overrides.items():
+      section, key = dotted.split(".")
+      c[section][key] = value
+    return config_lib.from_config_dict(c)
+
+  def seed_dir(workdir):
+    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_512, workdir / "tokenizer.json")
+    return str(workdir)
+
+  return build, seed_dir

@@ -19,25 +19,10 @@ import jax.numpy as jnp
 
 from c2.nn import dispatch
 from c2.nn.layers import GatedFFN, default_init, logical_param
-from c2.nn.router import expert_load, route
-from c2.ops.gmm import grouped_matmul
+from c2.losses import expert_counts, sequence_balance_loss
+from c2.nn.router import route
+from c2.ops.gmm import grouped_matmul, resolve_impl
 from c2.sharding import constrain, logical_to_spec
-
-
-def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, token_mask: jax.Array) -> jax.Array:
-  """DeepSeek-V3 sequence-wise balance loss without alpha: mean over rows of sum_i f_i * P_i.
-
-  scores [B, T, E] sigmoid affinities, expert_ids [B, T, K], token_mask [B, T].
-  f_i = E / (K * T_valid) * #choices of expert i; P_i = mean_t s_i / sum_j s_j.
-  """
-  e, k = scores.shape[-1], expert_ids.shape[-1]
-  mask = token_mask.astype(jnp.float32)
-  valid = jnp.maximum(mask.sum(-1), 1.0)  # [B]
-  chosen = jax.nn.one_hot(expert_ids, e, dtype=jnp.float32).sum(-2)  # [B, T, E]
-  f = e / (k * valid[:, None]) * jnp.einsum("BTE,BT->BE", chosen, mask)
-  normalised = scores / (scores.sum(-1, keepdims=True) + 1e-20)
-  p = jnp.einsum("BTE,BT->BE", normalised, mask) / valid[:, None]
-  return jnp.mean(jnp.sum(f * p, axis=-1))
 
 
 def _straight_through(fn, x):
@@ -92,8 +77,9 @@ class MoE(nn.Module):
     shared = GatedFFN(self.shared_ffn_size, self.dtype, self.param_dtype, name="shared")(x)
     y = constrain(routed.astype(self.dtype) + shared, ("batch", "length", "act_embed"))
     aux = {
-        "load": expert_load(routes.expert_ids, token_mask.reshape(-1), e),
-        "balance_loss": sequence_balance_loss(routes.scores.reshape(b, t, e), expert_ids, token_mask),
+        "load": expert_counts(routes.expert_ids, token_mask.reshape(-1), num_experts=e),
+        "balance_loss": sequence_balance_loss(routes.scores.reshape(b, t, e), expert_ids,
+                                              token_mask, num_experts=e, top_k=k),
         "routes": expert_ids,
     }
     return y, aux
@@ -109,12 +95,18 @@ class MoE(nn.Module):
     qdq = lambda rows: quant.dequantize(quant.quantize(rows, self.dispatch_fmt))
     return functools.partial(_straight_through, qdq)
 
+  def _local_ffn(self, *args):
+    """Experts on this device: all-experts batched matmuls for `dense`, else sort + gmm."""
+    if resolve_impl(self.gmm_impl) == "dense":
+      return dispatch.all_experts_ffn(*args)
+    return dispatch.local_ffn(*args, self._gmm())
+
   def _routed_experts(self, x, expert_ids, weights, w_gate, w_up, w_down):
     b, t, d = x.shape
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1:
-      y = dispatch.local_ffn(x.reshape(b * t, d), expert_ids.reshape(b * t, -1),
-                             weights.reshape(b * t, -1), w_gate, w_up, w_down, self._gmm())
+      y = self._local_ffn(x.reshape(b * t, d), expert_ids.reshape(b * t, -1),
+                          weights.reshape(b * t, -1), w_gate, w_up, w_down)
       return y.reshape(b, t, d)
 
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -132,12 +124,13 @@ class MoE(nn.Module):
     def body(x_, ids_, w_, gate_, up_, down_):
       b_, t_, _ = x_.shape
       args = (x_.reshape(b_ * t_, d), ids_.reshape(b_ * t_, -1), w_.reshape(b_ * t_, -1),
-              gate_, up_, down_, gmm)
+              gate_, up_, down_)
       if num_shards == 1:
-        y_ = dispatch.local_ffn(*args)
+        y_ = self._local_ffn(*args)
       else:
-        y_ = dispatch.expert_parallel_ffn(*args, axis_name=expert_axis, num_shards=num_shards,
-                                          a2a_impl=a2a_impl, transport_fn=transport)
+        y_ = dispatch.expert_parallel_ffn(*args, gmm, axis_name=expert_axis,
+                                          num_shards=num_shards, a2a_impl=a2a_impl,
+                                          transport_fn=transport)
       if tensor_axis is not None:
         y_ = jax.lax.psum(y_, tensor_axis)  # expert FFN columns were split over `tensor`
       return y_.reshape(b_, t_, d)

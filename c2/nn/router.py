@@ -54,9 +54,3 @@ def route(x: jax.Array, kernel: jax.Array, bias: jax.Array, *, top_k: int, n_gro
   if norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
   return Routes(expert_ids, weights * routed_scaling_factor, scores)
-
-
-def expert_load(expert_ids: jax.Array, token_mask: jax.Array, num_experts: int) -> jax.Array:
-  """Token-choices per expert [E] float32, counting only tokens where token_mask [N] is set."""
-  per_choice = jnp.broadcast_to(token_mask.astype(jnp.float32)[:, None], expert_ids.shape)
-  return jnp.bincount(expert_ids.reshape(-1), weights=per_choice.reshape(-1), length=num_experts)

@@ -75,11 +75,13 @@ class Transformer(nn.Module):
 
   def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None,
                positions: Optional[jax.Array] = None, forced_routes: Optional[jax.Array] = None,
-               with_mtp: bool = True) -> dict:
+               with_mtp: bool = True, detach_mtp_inputs: bool = False) -> dict:
     """tokens [B, T] -> dict(hidden [B, T, D] final-normed, mtp_hidden [M, B, T, D], aux).
 
     segment_ids default to one document per row, positions to 0..T-1. forced_routes
     [L, B, T, K] replays recorded MoE routes (RL router replay) in the main layers.
+    detach_mtp_inputs stops MTP gradients at the trunk's hidden state and the embeddings, so an
+    MTP loss trains only the MTP modules (Composer 2 attaches MTP to a pretrained trunk).
     aux: moe/{load [L, E], balance_loss [L], routes [L, B, T, K]} and the same under mtp_moe.
     """
     cfg = self.cfg
@@ -96,9 +98,10 @@ class Transformer(nn.Module):
       x, aux["moe"] = self.moe_layers(x, segment_ids, positions, forced_routes)
     out = {"hidden": self.final_norm(x), "aux": aux}
     if with_mtp and cfg.mtp_depth:
-      prev, mtp_hidden, mtp_aux = x, [], []
+      maybe_detach = jax.lax.stop_gradient if detach_mtp_inputs else (lambda a: a)
+      prev, mtp_hidden, mtp_aux = maybe_detach(x), [], []
       for k, module in enumerate(self.mtp, start=1):
-        next_embeddings = self.embed(shift_tokens_left(tokens, k))
+        next_embeddings = maybe_detach(self.embed(shift_tokens_left(tokens, k)))
         prev, normed, layer_aux = module(prev, next_embeddings, segment_ids, positions)
         mtp_hidden.append(normed)
         mtp_aux.append(layer_aux)

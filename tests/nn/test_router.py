@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from c2.nn.router import expert_load, route
+from c2.nn.router import route
 
 N, D, E, K = 32, 16, 8, 2
 
@@ -68,9 +68,3 @@ def test_group_limited_topk_matches_brute_force():
   free = _route(x, kernel, bias, top_k=3)
   groups_used = [len(set((np.asarray(free.expert_ids[n]) // 2).tolist())) for n in range(N)]
   assert max(groups_used) == 3
-
-
-def test_expert_load_counts_only_real_tokens():
-  ids = jnp.array([[0, 1], [1, 2], [3, 3 - 1]])
-  mask = jnp.array([1.0, 1.0, 0.0])
-  np.testing.assert_array_equal(expert_load(ids, mask, 4), [1.0, 2.0, 1.0, 0.0])

@@ -1,0 +1,244 @@
+"""Loose experiment config in, typed config out, once.
+
+An experiment file's `get_config(arg)` returns an `ml_collections.ConfigDict`; `from_config_dict`
+turns it into frozen dataclasses that validate themselves. Every error names the key and the fix,
+and happens before anything is compiled. Only the trainer sees `ExperimentConfig`; library
+functions receive the plain values they need.
+
+Sections: model (a preset plus field overrides), mesh, data, optim, train, checkpoint, aot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from typing import Any, Mapping, Optional
+
+from c2 import mesh as meshlib
+from c2.model_config import ModelConfig, get_preset, YarnScaling
+
+PHASES = ("pretrain", "sft", "long_context", "rl")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  fsdp: int = -1  # -1: all remaining devices
+  expert: int = 1
+  tensor: int = 1
+  context: int = 1
+  num_slices: int = 1
+
+  def axis_sizes(self) -> dict[str, int]:
+    return {name: getattr(self, name) for name in meshlib.MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = "stdlib"  # c2.data.sources spec: stdlib | jsonl:... | parquet:... | arrayrecord:...
+  eval_source: Optional[str] = None  # None: the same source's held-out split
+  tokenizer: str = "default"  # default | path/tokenizer.json | path/tiktoken.model
+  tokenizer_vocab_size: int = 4096  # for the embedded default tokenizer only
+  seq_len: int = 256
+  global_batch_size: int = 16
+  seed: int = 0
+  read_threads: int = 1
+  num_workers: int = 0
+  text_field: str = "text"
+  sft_train_on: str = "current_turn"  # sft only: which assistant turns carry loss
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  name: str = "adamw"  # adamw | muon (2-D hidden matrices; AdamW for the rest)
+  peak_lr: float = 3e-4
+  schedule: str = "wsd"  # wsd (warmup-stable-decay) | cosine
+  warmup_steps: int = 100
+  decay_fraction: float = 0.2  # wsd: final fraction of steps spent decaying
+  decay_shape: str = "linear"  # wsd decay: linear | cosine | sqrt
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  muon_momentum: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  max_minutes: Optional[float] = None  # stop (and save) after this much wall time
+  log_every: int = 10
+  eval_every: int = 200
+  eval_batches: int = 8
+  seed: int = 0
+  ce_chunk_size: int = 2048  # tokens per vocabulary-projection chunk of the loss
+  z_loss_weight: float = 0.0
+  mtp_weight: float = 0.3
+  mtp_loss: str = "distill"  # distill (KL to the main head) | ce | distill+ce
+  mtp_detach_trunk: bool = True  # the MTP loss trains only the MTP modules
+  balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha: 1e-4)
+  bias_update_rate: float = 1e-3  # aux-loss-free bias speed gamma (0 freezes the bias)
+  init_from: Optional[str] = None  # checkpoint dir to load params from (missing MTP: fresh)
+  nan_check: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 200
+  keep: int = 3
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AotConfig:
+  topology: str = "v5p:2x2x1"  # default target of `python -m c2.aot` for this experiment
+  num_slices: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  phase: str
+  model: ModelConfig
+  mesh: MeshConfig
+  data: DataConfig
+  optim: OptimConfig
+  train: TrainConfig
+  checkpoint: CheckpointConfig
+  aot: AotConfig
+  name: str = "experiment"
+
+  def validate_for_devices(self, num_devices: int) -> dict[str, int]:
+    """Checks the mesh against the devices present and the batch against the data axes."""
+    try:
+      sizes = meshlib.resolve_axis_sizes(self.mesh.axis_sizes(), num_devices)
+    except ValueError as e:
+      raise ConfigError(f"config.mesh: {e} ({num_devices} devices present)") from None
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if self.data.global_batch_size % batch_shards:
+      raise ConfigError(
+          f"config.data.global_batch_size={self.data.global_batch_size} is not divisible by the "
+          f"batch axes data*fsdp*expert={batch_shards} of mesh {sizes}; use a multiple of "
+          f"{batch_shards}")
+    if self.data.seq_len % sizes["context"]:
+      raise ConfigError(f"config.data.seq_len={self.data.seq_len} is not divisible by "
+                        f"mesh context={sizes['context']}")
+    return sizes
+
+
+class ConfigError(ValueError):
+  """A bad experiment config; the message names the key and the fix."""
+
+
+_SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
+             "checkpoint": CheckpointConfig, "aot": AotConfig}
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+  """Validates (and lightly coerces int->float) one value against a dataclass annotation."""
+  hint = annotation
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if value is None:
+      return None
+    hint = args[0]
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if hint in (int, float, str, bool) and not (isinstance(value, hint) and
+                                              not (hint is int and isinstance(value, bool))):
+    raise ConfigError(f"config.{key}={value!r} must be {hint.__name__}, got {type(value).__name__}")
+  return value
+
+
+def _build(cls, values: Mapping[str, Any], prefix: str):
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for key, value in values.items():
+    if key not in fields:
+      close = difflib.get_close_matches(key, fields, n=1)
+      hint = f"; did you mean {prefix}.{close[0]}?" if close else f"; valid keys: {sorted(fields)}"
+      raise ConfigError(f"config.{prefix}.{key} is not a known key{hint}")
+    kwargs[key] = _check_type(f"{prefix}.{key}", value, hints[key])
+  try:
+    return cls(**kwargs)
+  except ValueError as e:
+    raise ConfigError(f"config.{prefix}: {e}") from None
+
+
+def _model_config(values: Mapping[str, Any]) -> ModelConfig:
+  values = dict(values)
+  preset = values.pop("preset", None)
+  if preset is None:
+    raise ConfigError("config.model.preset is required (e.g. 'tiny', 'proxy-30b', 'kimi-k2.5')")
+  if "rope_scaling" in values and isinstance(values["rope_scaling"], Mapping):
+    values["rope_scaling"] = _build(YarnScaling, values["rope_scaling"], "model.rope_scaling")
+  base = get_preset(preset)
+  hints = typing.get_type_hints(ModelConfig)
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  checked = {}
+  for key, value in values.items():
+    if key not in fields:
+      close = difflib.get_close_matches(key, fields, n=1)
+      raise ConfigError(f"config.model.{key} is not a ModelConfig field"
+                        + (f"; did you mean model.{close[0]}?" if close else ""))
+    checked[key] = value if key == "rope_scaling" else _check_type(f"model.{key}", value, hints[key])
+  try:
+    return base.replace(**checked)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
+
+
+def from_config_dict(config: Any) -> ExperimentConfig:
+  """ConfigDict (or nested dict) -> validated ExperimentConfig."""
+  raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  known = {"phase", "name", "model", *_SECTIONS}
+  for key in raw:
+    if key not in known:
+      close = difflib.get_close_matches(key, known, n=1)
+      raise ConfigError(f"config.{key} is not a known section"
+                        + (f"; did you mean {close[0]}?" if close else f"; sections: {sorted(known)}"))
+  phase = raw.get("phase", "pretrain")
+  if phase not in PHASES:
+    raise ConfigError(f"config.phase={phase!r}; choose one of {PHASES}")
+  sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
+  exp = ExperimentConfig(phase=phase, model=_model_config(raw.get("model", {})),
+                         name=raw.get("name", "experiment"), **sections)
+  _cross_validate(exp)
+  return exp
+
+
+def _cross_validate(exp: ExperimentConfig) -> None:
+  model, data, train, optim = exp.model, exp.data, exp.train, exp.optim
+  if data.seq_len > model.max_position_embeddings:
+    raise ConfigError(
+        f"config.data.seq_len={data.seq_len} exceeds the model's RoPE range "
+        f"max_position_embeddings={model.max_position_embeddings}; lower seq_len or extend the "
+        "range (model.max_position_embeddings with model.rope_scaling)")
+  if data.seq_len < 2 or data.global_batch_size < 1:
+    raise ConfigError("config.data.seq_len must be >= 2 and global_batch_size >= 1")
+  if train.mtp_loss not in ("distill", "ce", "distill+ce"):
+    raise ConfigError(f"config.train.mtp_loss={train.mtp_loss!r}; choose distill, ce or distill+ce")
+  if optim.name not in ("adamw", "muon"):
+    raise ConfigError(f"config.optim.name={optim.name!r}; choose adamw or muon")
+  if optim.schedule not in ("wsd", "cosine"):
+    raise ConfigError(f"config.optim.schedule={optim.schedule!r}; choose wsd or cosine")
+  if optim.decay_shape not in ("linear", "cosine", "sqrt"):
+    raise ConfigError(f"config.optim.decay_shape={optim.decay_shape!r}; choose linear, cosine, sqrt")
+  if optim.warmup_steps > train.steps:
+    raise ConfigError(f"config.optim.warmup_steps={optim.warmup_steps} exceeds config.train.steps="
+                      f"{train.steps}")
+  if exp.phase == "sft" and data.source == "stdlib":
+    raise ConfigError("config.data.source: the sft phase needs a chat JSONL source "
+                      "('jsonl:/path/{split}.jsonl' with {'messages': [...]}), not 'stdlib'")
+  for name in ("log_every", "eval_every", "eval_batches", "steps", "ce_chunk_size"):
+    if getattr(train, name) <= 0:
+      raise ConfigError(f"config.train.{name} must be positive")
+  if exp.checkpoint.every_steps <= 0 or exp.checkpoint.keep <= 0:
+    raise ConfigError("config.checkpoint.every_steps and keep must be positive")
+  if math.prod(v for v in exp.mesh.axis_sizes().values() if v > 0) <= 0:
+    raise ConfigError("config.mesh: axis sizes must be positive or -1")

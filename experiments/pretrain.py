@@ -1,0 +1,72 @@
+"""Phase 1 of Composer 2: continued pretraining of the Kimi-K2.5 MoE at 32k tokens, with MTP.
+
+Launch (CPU, the embedded stdlib corpus, no download; ends by itself in about 10 minutes):
+  python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
+Expected: held-out CE falls from ~8.3 (ln 4096) to well below the held-out unigram entropy
+(~6.1 nats/token) within the run; MTP top-1 agreement with the main head rises.
+
+Full scale (a pod; the AOT check first proves it fits):
+  python -m c2.aot --config experiments/pretrain.py:full
+  launch/run.sh --tpu NAME --zone ZONE --config experiments/pretrain.py:full --workdir gs://B/runs/cpt
+Variants: tiny | proxy | full. Override anything: --config.optim.peak_lr=1e-4.
+MTP attached from a mid-run checkpoint: --config.train.init_from=gs://B/runs/cpt/ckpt (the MTP
+modules the checkpoint lacks are freshly initialised, everything else restored).
+"""
+import ml_collections
+
+
+def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
+  variant = arg or "tiny"
+  c = ml_collections.ConfigDict()
+  c.phase = "pretrain"
+  c.name = f"pretrain-{variant}"
+  c.model = ml_collections.ConfigDict({"preset": "tiny"})
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1, context=1,
+                                          num_slices=1))
+  c.data = ml_collections.ConfigDict(dict(
+      source="stdlib", eval_source=None, tokenizer="default", tokenizer_vocab_size=4096,
+      seq_len=256, global_batch_size=16, seed=0, read_threads=1, num_workers=0,
+      text_field="text", sft_train_on="current_turn"))
+  c.optim = ml_collections.ConfigDict(dict(
+      name="adamw", peak_lr=3e-3, schedule="wsd", warmup_steps=50, decay_fraction=0.2,
+      decay_shape="linear", min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+      clip_norm=1.0, muon_momentum=0.95))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=600, max_minutes=9.0, log_every=10, eval_every=100, eval_batches=4, seed=0,
+      ce_chunk_size=1024, z_loss_weight=1e-4, mtp_weight=0.3, mtp_loss="distill",
+      mtp_detach_trunk=True, balance_loss_weight=1e-4, bias_update_rate=1e-3,
+      init_from=ml_collections.FieldReference(None, field_type=str), nan_check=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, async_save=True))
+  c.aot = ml_collections.ConfigDict(dict(topology="v5p:2x2x1", num_slices=1))
+  c.data.eval_source = ml_collections.FieldReference(None, field_type=str)
+
+  if variant == "tiny":
+    pass
+  elif variant == "proxy":
+    c.model.preset = "proxy-30b"
+    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
+                  global_batch_size=256, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
+    c.mesh.update(fsdp=-1, expert=8)
+    c.optim.update(peak_lr=3e-4, warmup_steps=500)
+    c.train.update(steps=20000, max_minutes=None, eval_every=1000, eval_batches=16,
+                   ce_chunk_size=8192)
+    c.checkpoint.update(every_steps=500)
+    c.aot.update(topology="v5p:4x4x4")
+  elif variant == "full":
+    c.model.preset = "kimi-k2.5"
+    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
+                  global_batch_size=1024, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
+    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=1)
+    c.optim.update(peak_lr=2e-5, warmup_steps=200, min_lr_ratio=0.35)
+    c.train.update(steps=50000, max_minutes=None, eval_every=1000, eval_batches=16,
+                   ce_chunk_size=8192)
+    c.checkpoint.update(every_steps=250)
+    c.aot.update(topology="v5p:16x16x16")
+  else:
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, proxy or full")
+  return c
+
+
+def get_sweep():
+  """Peak learning-rate sweep of the tiny preset (see launch/sweep.py)."""
+  return [{"optim.peak_lr": lr} for lr in (1e-3, 3e-3, 1e-2)]

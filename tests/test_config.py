@@ -1,0 +1,72 @@
+"""Experiment files load for every variant, and bad configs stop with a message naming the key."""
+import pytest
+
+from c2 import config as config_lib
+from c2.experiments_loader import load_experiment
+
+
+@pytest.mark.parametrize("path", ["experiments/pretrain.py:tiny", "experiments/pretrain.py:proxy",
+                                  "experiments/pretrain.py:full"])
+def test_experiment_variants_convert(path):
+  exp = config_lib.from_config_dict(load_experiment(path))
+  assert exp.phase == "pretrain"
+  if path.endswith("full"):
+    assert exp.model.num_routed_experts == 384 and exp.data.seq_len == 32768
+    assert exp.aot.topology.startswith(("v5p", "tpu7x"))
+
+
+def _tiny(**updates):
+  c = load_experiment("experiments/pretrain.py:tiny")
+  for dotted, value in updates.items():
+    section, key = dotted.split(".")
+    c[section][key] = value
+  return c
+
+
+def _error(c) -> str:
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.from_config_dict(c)
+  return str(info.value)
+
+
+def test_unknown_key_suggests_the_right_one():
+  raw = _tiny().to_dict()
+  raw["train"]["stpes"] = 10
+  message = _error(raw)
+  assert "config.train.stpes" in message and "did you mean train.steps" in message
+
+
+def test_wrong_type_names_the_key():
+  raw = _tiny().to_dict()
+  raw["optim"]["peak_lr"] = "fast"
+  assert "config.optim.peak_lr" in _error(raw) and "float" in _error(raw)
+
+
+def test_seq_len_above_rope_range():
+  message = _error(_tiny(**{"data.seq_len": 100_000}))
+  assert "config.data.seq_len=100000" in message and "max_position_embeddings" in message
+
+
+def test_bad_model_field_and_value():
+  raw = _tiny().to_dict()
+  raw["model"]["experts_per_token"] = 64
+  assert "experts_per_token" in _error(raw)
+  raw = _tiny().to_dict()
+  raw["model"]["hiden_size"] = 3
+  assert "did you mean model.hidden_size" in _error(raw)
+
+
+def test_batch_not_divisible_and_mesh_too_large():
+  exp = config_lib.from_config_dict(_tiny(**{"data.global_batch_size": 6}))
+  with pytest.raises(config_lib.ConfigError, match="global_batch_size=6 is not divisible"):
+    exp.validate_for_devices(8)
+  exp = config_lib.from_config_dict(_tiny(**{"mesh.fsdp": 16}))
+  with pytest.raises(config_lib.ConfigError, match="config.mesh"):
+    exp.validate_for_devices(8)
+  assert config_lib.from_config_dict(_tiny()).validate_for_devices(8)["fsdp"] == 8
+
+
+def test_sft_needs_a_chat_source():
+  c = _tiny()
+  c.phase = "sft"
+  assert "sft phase needs a chat JSONL" in _error(c)
