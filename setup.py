@@ -16,6 +16,7 @@ CORE = [
     "pyarrow",  # Parquet sources
     "tqdm",
     "numpy",
+    "absl-py",
 ]
 
 setup(

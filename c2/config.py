@@ -170,8 +170,26 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
     raise ConfigError(f"config.{prefix}: {e}") from None
 
 
+def model_section(preset: str, **overrides) -> Any:
+  """The `model` section of an experiment: a preset plus every ModelConfig field as an override
+  slot (None = the preset's value), so `--config.model.<field>=v` works from the command line."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  section = ml_collections.ConfigDict({"preset": preset})
+  hints = typing.get_type_hints(ModelConfig)
+  for field in dataclasses.fields(ModelConfig):
+    hint = hints[field.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+      hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
+    if hint in (int, float, str, bool):
+      section[field.name] = ml_collections.FieldReference(overrides.pop(field.name, None),
+                                                          field_type=hint)
+  if overrides:
+    raise ConfigError(f"model_section: unknown or non-scalar ModelConfig fields {sorted(overrides)}")
+  return section
+
+
 def _model_config(values: Mapping[str, Any]) -> ModelConfig:
-  values = dict(values)
+  values = {k: v for k, v in values.items() if v is not None}  # None: keep the preset's value
   preset = values.pop("preset", None)
   if preset is None:
     raise ConfigError("config.model.preset is required (e.g. 'tiny', 'proxy-30b', 'kimi-k2.5')")

@@ -61,10 +61,12 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | Non
     from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
     ici = (sizes["data"] // num_slices,) + shape[1:]
     dcn = (num_slices,) + (1,) * (len(shape) - 1)
-    device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                        allow_split_physical_axes=True)
   elif devices[0].platform == "tpu":
     from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
-    device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    device_array = mesh_utils.create_device_mesh(shape, devices=devices,
+                                                 allow_split_physical_axes=True)
   else:
     device_array = np.asarray(devices).reshape(shape)
   return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

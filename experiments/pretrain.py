@@ -14,13 +14,15 @@ modules the checkpoint lacks are freshly initialised, everything else restored).
 """
 import ml_collections
 
+from c2.config import model_section
+
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   variant = arg or "tiny"
   c = ml_collections.ConfigDict()
   c.phase = "pretrain"
   c.name = f"pretrain-{variant}"
-  c.model = ml_collections.ConfigDict({"preset": "tiny"})
+  c.model = model_section("tiny")
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1, context=1,
                                           num_slices=1))
   c.data = ml_collections.ConfigDict(dict(

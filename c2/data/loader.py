@@ -1,7 +1,11 @@
 """Trainer-facing glue: the phase's iterator from plain settings, and host batches -> global arrays.
 
-Each process reads only its slice of the data ([B / process_count, T] rows); the global batch is
-assembled without any host holding all of it (`jax.make_array_from_process_local_data`).
+The global batch is made of `global_batch_size` virtual data shards, one row each per step:
+shard s reads records s, s + S, s + 2S, ... of the shuffled stream and packs them into its own
+rows. A process runs the pipelines of the shards whose rows its devices hold, so it reads only
+its share of the data, and the global batch is the same whatever the number of processes: a
+2-host run sees exactly the batches of a 1-host run (tested). The global array is assembled
+without any host holding all of it (`jax.make_array_from_process_local_data`).
 """
 from __future__ import annotations
 
@@ -18,23 +22,56 @@ from c2.data.tokenizer import Tokenizer
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 
+class ShardedRows:
+  """This process's rows of the global batch: one row from each of its virtual shards per step.
+
+  Checkpointable like a grain iterator: `get_state()` is a JSON-able dict of the shards' states.
+  """
+
+  def __init__(self, shard_iterators: dict[int, object]):
+    self._iterators = shard_iterators
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    rows = [next(iterator) for iterator in self._iterators.values()]  # each [1, T]
+    return {key: np.concatenate([row[key] for row in rows]) for key in rows[0]}
+
+  def get_state(self) -> dict:
+    return {str(shard): iterator.get_state() for shard, iterator in self._iterators.items()}
+
+  def set_state(self, state: dict) -> None:
+    if set(state) != {str(shard) for shard in self._iterators}:
+      raise ValueError(f"data state holds shards {sorted(state)} but this process reads "
+                       f"{sorted(self._iterators)}: resume with the same global_batch_size and "
+                       "process layout")
+    for shard, iterator in self._iterators.items():
+      iterator.set_state(state[str(shard)])
+
+
 def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int,
                   global_batch_size: int, seed: int, split: str,
                   num_epochs: Optional[int] = None, text_field: str = "text",
                   sft_train_on: str = "current_turn", read_threads: int = 1,
-                  num_workers: int = 0):
+                  num_workers: int = 0, process_index: Optional[int] = None,
+                  process_count: Optional[int] = None) -> ShardedRows:
   """The checkpointable iterator of this process's [B_local, T] batches for a phase."""
-  process_count = jax.process_count()
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
   if global_batch_size % process_count:
     raise ValueError(f"config.data.global_batch_size={global_batch_size} is not divisible by the "
                      f"{process_count} processes")
-  common = dict(source_spec=source, tokenizer=tokenizer, seq_len=seq_len,
-                batch_size=global_batch_size // process_count, seed=seed,
-                process_index=jax.process_index(), process_count=process_count, split=split,
-                num_epochs=num_epochs, read_threads=read_threads, num_workers=num_workers)
-  if phase == "sft":
-    return pipeline.make_sft_iterator(train_on=sft_train_on, **common)
-  return pipeline.make_lm_iterator(text_field=text_field, **common)
+  per_process = global_batch_size // process_count
+  shards = range(process_index * per_process, (process_index + 1) * per_process)
+  make = pipeline.make_sft_iterator if phase == "sft" else pipeline.make_lm_iterator
+  extra = {"train_on": sft_train_on} if phase == "sft" else {"text_field": text_field}
+  return ShardedRows({
+      shard: make(source_spec=source, tokenizer=tokenizer, seq_len=seq_len, batch_size=1,
+                  seed=seed, process_index=shard, process_count=global_batch_size, split=split,
+                  num_epochs=num_epochs, read_threads=read_threads, num_workers=num_workers,
+                  num_packing_bins=16, **extra)
+      for shard in shards})
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, global_shape: tuple[int, int]) -> NamedSharding:

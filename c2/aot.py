@@ -1,0 +1,170 @@
+"""Prove from a CPU host that an experiment's train step compiles and fits on its TPU topology.
+
+  python -m c2.aot --config experiments/pretrain.py:full [--topology v5p:16x16x16] [--num_slices 2]
+
+Builds the abstract train state and batch with their shardings on a compile-only TPU mesh (libtpu,
+no TPU needed), lowers and compiles the phase's real step, and prints per-device HBM (arguments,
+temporaries, outputs, total vs the chip's capacity), compiled FLOPs and their ratio to the
+analytic useful FLOPs (6 x active params x tokens plus attention), and the count of each
+collective. Exits 1 when the program does not fit. The topology defaults to the experiment's
+`aot.topology`. The phase's step comes from `c2.steps.STEPS`, like the trainer's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from c2 import flops, hardware
+from c2 import mesh as meshlib
+from c2 import state as state_lib
+from c2 import train
+from c2.config import ExperimentConfig
+from c2.data import loader
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
+
+
+@dataclasses.dataclass
+class AotReport:
+  phase: str
+  topology: str
+  num_slices: int
+  num_devices: int
+  mesh: dict
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  code_bytes: int
+  hbm_bytes: int
+  compiled_flops: float  # per device
+  useful_flops: float  # per device, analytic
+  collectives: dict
+  compile_seconds: float
+
+  @property
+  def total_bytes(self) -> int:
+    """Peak HBM per device: live arguments (donated outputs alias them) + temporaries + code."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
+        self.code_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.total_bytes <= self.hbm_bytes
+
+  @property
+  def flop_ratio(self) -> float:
+    return self.compiled_flops / self.useful_flops if self.useful_flops else float("nan")
+
+  def format(self) -> str:
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"
+    lines = [
+        f"phase {self.phase}  topology {self.topology} x{self.num_slices}  "
+        f"devices {self.num_devices}  mesh {self.mesh}",
+        f"  arguments    {gib(self.argument_bytes)}",
+        f"  outputs      {gib(self.output_bytes)}  (aliased with arguments: "
+        f"{gib(self.alias_bytes).strip()})",
+        f"  temporaries  {gib(self.temp_bytes)}",
+        f"  code         {gib(self.code_bytes)}",
+        f"  total        {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM "
+        f"({self.total_bytes / self.hbm_bytes:.0%}) -> {'FITS' if self.fits else 'DOES NOT FIT'}",
+        f"  FLOPs/device compiled {self.compiled_flops:.3e}  useful {self.useful_flops:.3e}  "
+        f"ratio {self.flop_ratio:.3f}",
+        "  collectives  " + ", ".join(f"{k} {v}" for k, v in self.collectives.items()),
+        f"  compile time {self.compile_seconds:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  hardware.chip_of_topology(topology)  # validates the generation name with a clear error
+  kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                           **kwargs).devices)
+
+
+def count_collectives(hlo_text: str) -> dict:
+  """Occurrences of each collective op in optimized HLO (async start/done pairs count once)."""
+  counts = {}
+  for name in COLLECTIVES:
+    pattern = rf"\s{re.escape(name)}(-start)?\("
+    counts[name] = len(re.findall(pattern, hlo_text))
+  return counts
+
+
+def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> AotReport:
+  devices = topology_devices(topology, num_slices)
+  if devices[0].platform != "tpu":
+    raise RuntimeError("topology devices are not TPU devices: is libtpu installed? "
+                       "pip install -e '.[tpu]'")
+  axis_sizes = exp.validate_for_devices(len(devices))
+  mesh = meshlib.make_mesh(axis_sizes, devices=devices, num_slices=num_slices)
+  opt = train.make_optimizer(exp)
+  abstract = state_lib.abstract_state(exp.model, opt.tx)
+  shardings = state_lib.state_shardings(exp.model, opt.tx, mesh)
+  state_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  batch_shape = (exp.data.global_batch_size, exp.data.seq_len)
+  batch_sharding = loader.batch_sharding(mesh, batch_shape)
+  dtypes = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+            "loss_mask": jnp.float32}
+  batch_in = {k: jax.ShapeDtypeStruct(batch_shape, dtypes[k], sharding=batch_sharding)
+              for k in loader.BATCH_KEYS}
+  step = jax.jit(train.make_train_step(exp, opt.tx, opt.schedule),
+                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  start = time.time()
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state_in, batch_in).compile()
+  elapsed = time.time() - start
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  tokens = exp.data.global_batch_size * exp.data.seq_len
+  useful = flops.train_flops_per_token(exp.model, exp.data.seq_len) * tokens / len(devices)
+  chip = hardware.chip_of_topology(topology)
+  return AotReport(
+      phase=exp.phase, topology=topology, num_slices=num_slices, num_devices=len(devices),
+      mesh=dict(mesh.shape), argument_bytes=memory.argument_size_in_bytes,
+      output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+      temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
+      hbm_bytes=chip.hbm_bytes, compiled_flops=float(cost.get("flops", 0.0)),
+      useful_flops=useful, collectives=count_collectives(compiled.as_text()),
+      compile_seconds=elapsed)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from c2 import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  config = config_flags.DEFINE_config_file("config", None, "experiment file[:variant]")
+  topology = flags.DEFINE_string("topology", None, "e.g. v5p:16x16x16 (default: the experiment's)")
+  num_slices = flags.DEFINE_integer("num_slices", None, "slices (default: the experiment's)")
+  result = {}
+
+  def run(_):
+    exp = config_lib.from_config_dict(config.value)
+    report = compile_step(exp, topology.value or exp.aot.topology,
+                          num_slices.value or exp.aot.num_slices)
+    print(report.format(), flush=True)
+    result["code"] = 0 if report.fits else 1
+
+  try:
+    app.run(run, argv=argv or sys.argv)
+  except SystemExit as e:
+    if e.code not in (0, None):
+      raise
+  return result.get("code", 1)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
