@@ -26,6 +26,7 @@ same quantisation, float64 matmul), "vs f32" with the unquantised inputs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -142,7 +143,7 @@ def gradient_table(shape_name, formats):
     print(f"{fmt:6s} {dl[0]:13.3e} {dl[1]:11.3e} {dr[0]:13.3e} {dr[1]:11.3e}", flush=True)
 
 
-def aot_table(targets, shape_names, formats):
+def aot_table(targets, shape_names, formats, workers: int = 2):
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU attached: loads are harmless
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -150,33 +151,37 @@ def aot_table(targets, shape_names, formats):
   import pallas_kernels as pk  # pylint: disable=import-outside-toplevel
   from pallas_kernels import tuning  # pylint: disable=import-outside-toplevel
 
-  print("\n== AOT forward per TPU target (bf16 inputs; cost includes quantisation) ==")
-  print(f"{'target':6s} {'shape':10s} {'fmt':6s} {'GFLOP':>8s} {'GB acc.':>8s} {'temp GB':>8s} "
-        f"{'tiles':>15s} {'VMEM MiB est/limit':>18s} {'mxu':>9s} {'fp4':>6s} {'compile':>7s}")
-  for target in targets:
+  def compile_one(target, name, fmt):
     device = topologies.get_topology_desc(platform="tpu",
                                           topology_name=TOPOLOGIES[target]).devices[0]
     sharding = jax.sharding.SingleDeviceSharding(device)  # without it .lower() targets CPU
-    gen = tuning.get_generation(target)
-    for name in shape_names:
-      s = SHAPES[name]
-      args = [jax.ShapeDtypeStruct(shp, dt, sharding=sharding) for shp, dt in
-              (((s.m, s.k), jnp.bfloat16), ((s.g, s.k, s.n), jnp.bfloat16), ((s.g,), jnp.int32))]
-      for fmt in formats:
-        t = time.perf_counter()
-        compiled = jax.jit(lambda a, b, c, fmt=fmt: pk.gmm(a, b, c, fmt=fmt, target=target)
-                           ).lower(*args).compile()
-        seconds = time.perf_counter() - t
-        assert "tpu_custom_call" in compiled.as_text()
-        cost, mem = compiled.cost_analysis(), compiled.memory_analysis()
-        tiles = tuning.select_tiles("gmm", gen, s.m, s.k, s.n, s.g, fmt, 2)
-        vmem = tuning.vmem_bytes("gmm", tiles, fmt, 2) / 2**20
-        fp4 = ("-" if fmt != "nvfp4" else "packed" if tuning.fp4_packed(gen, fmt) else "f4")
-        print(f"{target:6s} {name:10s} {fmt:6s} {cost['flops'] / 1e9:8.1f} "
-              f"{cost['bytes accessed'] / 1e9:8.2f} {mem.temp_size_in_bytes / 1e9:8.2f} "
-              f"{str(tiles):>15s} {vmem:8.1f}/{gen.vmem_limit_bytes / 2**20:<9.0f} "
-              f"{jnp.dtype(tuning.mxu_dtype(gen, fmt)).name[:9]:>9s} {fp4:>6s} {seconds:6.1f}s",
-              flush=True)
+    s = SHAPES[name]
+    args = [jax.ShapeDtypeStruct(shp, dt, sharding=sharding) for shp, dt in
+            (((s.m, s.k), jnp.bfloat16), ((s.g, s.k, s.n), jnp.bfloat16), ((s.g,), jnp.int32))]
+    t = time.perf_counter()
+    compiled = jax.jit(lambda a, b, c: pk.gmm(a, b, c, fmt=fmt, target=target)
+                       ).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    return compiled.cost_analysis(), compiled.memory_analysis(), time.perf_counter() - t
+
+  print("\n== AOT forward per TPU target (bf16 inputs; cost includes quantisation) ==")
+  print(f"{'target':6s} {'shape':10s} {'fmt':6s} {'GFLOP':>8s} {'GB acc.':>8s} {'temp GB':>8s} "
+        f"{'tiles':>17s} {'VMEM MiB est/limit':>18s} {'mxu':>9s} {'fp4':>6s} {'compile':>7s}")
+  jobs = [(t, n, f) for t in targets for n in shape_names for f in formats]
+  # XLA compiles outside the GIL: two threads keep both cores busy.
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    futures = [pool.submit(compile_one, *job) for job in jobs]
+    for (target, name, fmt), future in zip(jobs, futures):
+      cost, mem, seconds = future.result()
+      s, gen = SHAPES[name], tuning.get_generation(target)
+      tiles = tuning.select_tiles("gmm", gen, s.m, s.k, s.n, s.g, fmt, 2)
+      vmem = tuning.vmem_bytes("gmm", tiles, fmt, 2) / 2**20
+      fp4 = "-" if fmt != "nvfp4" else "packed" if tuning.fp4_packed(gen, fmt) else "f4"
+      mxu = jnp.dtype(tuning.mxu_dtype(gen, fmt)).name.replace("float8_", "")
+      print(f"{target:6s} {name:10s} {fmt:6s} {cost['flops'] / 1e9:8.1f} "
+            f"{cost['bytes accessed'] / 1e9:8.2f} {mem.temp_size_in_bytes / 1e9:8.2f} "
+            f"{str(tiles):>17s} {vmem:8.1f}/{gen.vmem_limit_bytes / 2**20:<9.0f} "
+            f"{mxu:>9s} {fp4:>6s} {seconds:6.1f}s", flush=True)
 
 
 def _time(fn, *args, iters=10):
@@ -215,10 +220,12 @@ def throughput_table(shape_names, formats):
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(prog="python -m c2.bench gmm", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m c2.bench gmm",
+                                   description=__doc__.split("\n")[0])
   parser.add_argument("--formats", default=",".join(FORMATS))
-  parser.add_argument("--error-shapes", default="small,kimi_up_slice,kimi_down_slice")
-  parser.add_argument("--aot-shapes", default="kimi_up")
+  parser.add_argument("--error-shapes", default="small,kimi_up_slice",
+                      help="also: kimi_down_slice")
+  parser.add_argument("--aot-shapes", default="kimi_up", help="also: kimi_down, small")
   parser.add_argument("--targets", default=",".join(TOPOLOGIES))
   parser.add_argument("--skip-errors", action="store_true")
   parser.add_argument("--skip-aot", action="store_true")

@@ -10,6 +10,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# AOT tests load libtpu (compile-only); parallel test workers would otherwise fight over its
+# process lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

@@ -5,9 +5,10 @@ axes, so both multiply bit-identical low-precision values and scales (zero paddi
 amax). What remains is float32 rounding: the K-sum order (tiles, MXU) and row scales applied to
 the sum instead of to each element. Both are bounded by a few float32 ulps of sum_k |a_k b_k|,
 for every format alike, so each test checks |kernel - reference| <= RTOL * (|A| @ |B|) elementwise
-with A, B the dequantised operands and RTOL = 1e-5 (~2^-17: K <= 300 terms, error growth ~ sqrt(K)
-* 2^-24 typically and K * 2^-24 = 1.8e-5 at worst for this size; 1e-5 has not been exceeded in
-thousands of draws and catches any wrong scale, block or row by orders of magnitude).
+with A, B the dequantised operands and RTOL = 1e-5: float32 summation of K <= 300 terms errs by
+~sqrt(K) * 2^-24 typically, K * 2^-24 = 1.8e-5 in the worst case; the largest ratio measured over
+48 random draws (all format pairs, forward and both gradients) was 6.1e-7. Any wrong scale, block,
+row or group is off by orders of magnitude more.
 What each *format* costs against unquantised float32 is a separate, looser check
 (test_format_error_vs_float32) with bounds derived from the element precision.
 """
@@ -176,8 +177,9 @@ def test_alternative_kernel_paths(path):
                            fmt)
 
 
-@pytest.mark.parametrize("shape,fmt", [((1, 1, 1, 1), "nvfp4"), ((37, 300, 5, 3), "mxfp8"),
-                                       ((140, 64, 260, 2), "fp8")])
+@pytest.mark.parametrize("shape,fmt", [
+    ((1, 1, 1, 1), "nvfp4"), ((37, 300, 5, 3), "mxfp8"),
+    pytest.param((140, 64, 260, 2), "fp8", marks=pytest.mark.slow)])
 def test_odd_shapes_default_target(shape, fmt):
   """Shapes far from tile multiples, through the public API with the default (cpu) target."""
   m, k, n, g = shape

@@ -12,9 +12,10 @@ TM = 8
 
 @st.composite
 def problems(draw):
-  g = draw(st.integers(1, 6))
-  tiles = draw(st.integers(1, 6))
-  rows = draw(st.integers(0, tiles * TM))
+  # Few distinct static shapes (each compiles once); the sizes themselves vary freely.
+  g = draw(st.sampled_from([1, 3, 6]))
+  tiles = draw(st.sampled_from([1, 5]))
+  rows = draw(st.sampled_from([tiles * TM, tiles * TM - 3]))
   sizes = draw(st.lists(st.integers(0, rows), min_size=g, max_size=g))
   sizes = np.array(sizes, np.int32)
   # Mostly sum <= rows (the contract); sometimes more, which the metadata clamps.
@@ -27,7 +28,7 @@ _make = jax.jit(metadata.make_group_metadata,
                 static_argnames=("num_rows", "tm", "num_m_tiles", "for_tgmm"))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(problem=problems(), for_tgmm=st.booleans())
 def test_work_list_invariants(problem, for_tgmm):
   sizes, rows, tiles = problem

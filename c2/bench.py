@@ -1,0 +1,33 @@
+"""Benchmarks: `python -m c2.bench NAME [args]` runs `c2/bench_NAME.py`'s main(argv).
+
+  python -m c2.bench gmm            # grouped-matmul kernels: errors per format, AOT cost, speed
+  python -m c2.bench gmm --help
+
+Each benchmark lives in its own c2/bench_<name>.py so adding one never edits another.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import c2
+
+
+def available() -> list[str]:
+  return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(c2.__path__)
+                if m.name.startswith("bench_"))
+
+
+def main(argv: list[str]) -> int:
+  names = available()
+  if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
+    print(__doc__.strip())
+    print("available:", ", ".join(names))
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+  module = importlib.import_module(f"c2.bench_{argv[0]}")
+  return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,228 @@
+"""Pallas TPU kernels: grouped matmul (gmm) and transposed grouped matmul (tgmm).
+
+Both iterate a scalar-prefetched work list (metadata.py): item w pairs an m-tile with a group.
+The list lives in SMEM (pltpu.PrefetchScalarGridSpec) so the BlockSpec index maps can read it to
+pick which lhs rows and which expert's rhs to DMA next; its used length is the dynamic grid extent.
+
+  gmm:  grid (N tiles, items, K tiles). out[m-tile, n-tile] += lhs[m-tile, k] @ rhs[g, k, n].
+        An out tile shared by two groups is visited by consecutive items; each stores only its
+        own rows (masked), the first visit zeroes the tile, so rows in no group come out zero.
+  tgmm: grid (K tiles, N tiles, items). out[g, k, n] += lhs[m-tile, k]^T @ grad[m-tile, n],
+        rows outside the group masked to zero; consecutive items of one group accumulate, the
+        last one stores, and an empty group's single item stores zeros.
+
+Operands arrive in the low-precision storage format (HBM traffic stays at 8 or 4 bits per
+element) and are dequantised in VMEM (operands.decode) before a BF16 MXU dot, except where the
+generation's MXU takes the element type natively and the format has no block scales (fp8 on
+TPU7x): then the stored values go to the MXU as they are. Row scales (fp8, nvfp4's per-row
+second level) factor out of the contraction and are applied once to the float32 accumulator.
+All accumulation is float32.
+"""
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import operands, quant
+from pallas_kernels.metadata import GroupMetadata
+
+
+def _split_refs(refs, lhs: operands.KernelOperand, rhs: operands.KernelOperand):
+  """Kernel refs arrive flat, None operands skipped; regroup them as (lhs, rhs, rest)."""
+  refs = list(refs)
+  take = lambda present: refs.pop(0) if present else None
+  lhs_refs = [take(a is not None) for a in lhs]
+  rhs_refs = [take(a is not None) for a in rhs]
+  return lhs_refs, rhs_refs, refs
+
+
+def _flat(*ops: operands.KernelOperand):
+  return [a for op in ops for a in op if a is not None]
+
+
+def _compiler_params(vmem_limit_bytes: int, semantics):
+  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes)
+
+
+def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
+             rhs: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
+             out_shape: tuple[int, int], out_dtype, mxu_dtype, packed: bool, interpret: bool,
+             vmem_limit_bytes: int) -> jax.Array:
+  """lhs [Mp, Kp] x rhs [G, Kp, Np] -> out [Mp, Np] (padded dims are tile multiples)."""
+  tm, tk, tn = tiles
+  mp, np_ = out_shape
+  kp = rhs.values.shape[1] * (2 if packed else 1)
+  tiles_k, tiles_n = kp // tk, np_ // tn
+  tk_stored = tk // 2 if packed else tk
+  direct = mxu_dtype == fmt.values_dtype  # bf16, or fp8 where e4m3 is MXU-native: no decode
+  tkb = tk // fmt.block if fmt.block else 0
+
+  def kernel(meta, *refs):
+    (l_val, l_scale, l_row), (r_val, r_scale, r_row), (out, acc) = _split_refs(refs, lhs, rhs)
+    w, k = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _zero_acc():
+      acc[...] = jnp.zeros_like(acc)
+
+    @pl.when(meta.row_ends[w] > meta.row_starts[w])  # fill items only store zeros
+    def _accumulate():
+      if direct:
+        a, b = l_val[...], r_val[...]
+      else:
+        a = operands.decode(l_val[...], None if l_scale is None else l_scale[...], fmt, axis=1,
+                            packed=packed).astype(mxu_dtype)
+        b = operands.decode(r_val[...], None if r_scale is None else r_scale[...], fmt, axis=0,
+                            packed=packed).astype(mxu_dtype)
+      acc[...] += operands.mxu_dot(a, b)  # [tm,tk]x[tk,tn]
+
+    @pl.when(k == tiles_k - 1)
+    def _store():
+      m_tile = meta.m_tiles[w]
+      first_visit = jnp.logical_or(w == 0, m_tile != meta.m_tiles[jnp.maximum(w - 1, 0)])
+
+      @pl.when(first_visit)
+      def _zero_out():
+        out[...] = jnp.zeros_like(out)
+
+      result = acc[...]
+      if l_row is not None:
+        result = result * l_row[...]  # [tm, 1]
+      if r_row is not None:
+        result = result * r_row[...]  # [1, tn]
+      rows = m_tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      mine = jnp.logical_and(rows >= meta.row_starts[w], rows < meta.row_ends[w])
+      out[...] = jnp.where(mine, result, out[...].astype(jnp.float32)).astype(out.dtype)
+
+  # Index maps: grid point (n, w, k) plus the prefetched metadata.
+  specs = [pl.BlockSpec((tm, tk_stored), lambda n, w, k, meta: (meta.m_tiles[w], k))]
+  if lhs.scales is not None:  # [Kt, Mp, tkb]
+    specs.append(pl.BlockSpec((None, tm, tkb), lambda n, w, k, meta: (k, meta.m_tiles[w], 0)))
+  if lhs.row_scales is not None:  # [Mp, 1]
+    specs.append(pl.BlockSpec((tm, 1), lambda n, w, k, meta: (meta.m_tiles[w], 0)))
+  specs.append(pl.BlockSpec((None, tk_stored, tn),
+                            lambda n, w, k, meta: (meta.group_ids[w], k, n)))
+  if rhs.scales is not None:  # [G, Kt, tkb, Np]
+    specs.append(pl.BlockSpec((None, None, tkb, tn),
+                              lambda n, w, k, meta: (meta.group_ids[w], k, 0, n)))
+  if rhs.row_scales is not None:  # [G, 1, Np]
+    specs.append(pl.BlockSpec((None, 1, tn), lambda n, w, k, meta: (meta.group_ids[w], 0, n)))
+  out_spec = pl.BlockSpec((tm, tn), lambda n, w, k, meta: (meta.m_tiles[w], n))
+
+  inputs = _flat(lhs, rhs)
+  # Upper bound on traffic: every item streams one lhs row tile per N tile and one expert's
+  # [K, N] weights; a tile shared by two groups is read twice. Items <= m tiles + G - 1.
+  max_items = meta.group_ids.shape[0]
+  lhs_tile_bytes = sum(a.size * a.dtype.itemsize for a in _flat(lhs)) * tm // mp
+  rhs_group_bytes = sum(a.size * a.dtype.itemsize for a in _flat(rhs)) // rhs.values.shape[0]
+  cost = pl.CostEstimate(
+      flops=2 * mp * kp * np_, transcendentals=0,
+      bytes_accessed=int(max_items * (lhs_tile_bytes * tiles_n + rhs_group_bytes)
+                         + mp * np_ * jnp.dtype(out_dtype).itemsize))
+  call = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(tiles_n, num_items, tiles_k),
+          in_specs=specs,
+          out_specs=out_spec,
+          scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+      ),
+      # Out tiles are revisited by consecutive items, so only the N axis may be split (megacore).
+      compiler_params=_compiler_params(vmem_limit_bytes, ("parallel", "arbitrary", "arbitrary")),
+      interpret=interpret,
+      cost_estimate=cost,
+      name=f"gmm_{fmt.name}",
+  )
+  return call(meta, *inputs)
+
+
+def tgmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
+              grad: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
+              num_groups: int, out_dtype, mxu_dtype, packed: bool, interpret: bool,
+              vmem_limit_bytes: int) -> jax.Array:
+  """lhs [Mp, Kp]^T x grad [Mp, Np] per group -> out [G, Kp, Np]."""
+  tm, tk, tn = tiles
+  kp, np_ = lhs.values.shape[1], grad.values.shape[1]
+  mp = lhs.values.shape[0] * (2 if packed else 1)
+  tiles_k, tiles_n = kp // tk, np_ // tn
+  tm_stored = tm // 2 if packed else tm
+  tmb = tm // fmt.block if fmt.block else 0
+  max_items = meta.group_ids.shape[0]
+
+  def kernel(meta, *refs):
+    (l_val, l_scale, l_row), (g_val, g_scale, g_row), (out, acc) = _split_refs(refs, lhs, grad)
+    w = pl.program_id(2)
+    group = meta.group_ids[w]
+    prev_group = meta.group_ids[jnp.maximum(w - 1, 0)]
+    next_group = meta.group_ids[jnp.minimum(w + 1, max_items - 1)]
+    is_last_item = w == pl.num_programs(2) - 1
+
+    @pl.when(jnp.logical_or(w == 0, group != prev_group))
+    def _zero_acc():
+      acc[...] = jnp.zeros_like(acc)
+
+    @pl.when(meta.row_ends[w] > meta.row_starts[w])  # an empty group's item only stores zeros
+    def _accumulate():
+      rows = meta.m_tiles[w] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+      mine = jnp.logical_and(rows >= meta.row_starts[w], rows < meta.row_ends[w])  # [tm, 1]
+      # Mask both operands: the other group's rows may hold inf, and 0 * inf is nan.
+      a = jnp.where(mine, operands.decode(l_val[...], None if l_scale is None else l_scale[...],
+                                          fmt, axis=0, packed=packed), 0.0)  # [tm, tk]
+      b = jnp.where(mine, operands.decode(g_val[...], None if g_scale is None else g_scale[...],
+                                          fmt, axis=0, packed=packed), 0.0)  # [tm, tn]
+      # Transpose in float32 (Mosaic's best-supported transpose), then cast for the MXU; the
+      # cast is exact (values came from mxu_dtype or are exact in bf16, see operands.py).
+      acc[...] += operands.mxu_dot(a.T.astype(mxu_dtype), b.astype(mxu_dtype))  # [tk,tm]x[tm,tn]
+
+    @pl.when(jnp.logical_or(is_last_item, group != next_group))
+    def _store():
+      result = acc[...]
+      if l_row is not None:
+        result = result * l_row[...]  # [tk, 1]
+      if g_row is not None:
+        result = result * g_row[...]  # [1, tn]
+      out[...] = result.astype(out.dtype)
+
+  # Index maps: grid point (k, n, w) plus the prefetched metadata.
+  specs = [pl.BlockSpec((tm_stored, tk), lambda k, n, w, meta: (meta.m_tiles[w], k))]
+  if lhs.scales is not None:  # [Mt, tmb, Kp]
+    specs.append(pl.BlockSpec((None, tmb, tk), lambda k, n, w, meta: (meta.m_tiles[w], 0, k)))
+  if lhs.row_scales is not None:  # [Kp, 1]
+    specs.append(pl.BlockSpec((tk, 1), lambda k, n, w, meta: (k, 0)))
+  specs.append(pl.BlockSpec((tm_stored, tn), lambda k, n, w, meta: (meta.m_tiles[w], n)))
+  if grad.scales is not None:  # [Mt, tmb, Np]
+    specs.append(pl.BlockSpec((None, tmb, tn), lambda k, n, w, meta: (meta.m_tiles[w], 0, n)))
+  if grad.row_scales is not None:  # [1, Np]
+    specs.append(pl.BlockSpec((1, tn), lambda k, n, w, meta: (0, n)))
+  out_spec = pl.BlockSpec((None, tk, tn), lambda k, n, w, meta: (meta.group_ids[w], k, n))
+
+  inputs = _flat(lhs, grad)
+  # Upper bound: each item streams its lhs row tile once per N tile and its grad row tile once
+  # per K tile; each group's [K, N] output is written once.
+  l_tile = sum(a.size * a.dtype.itemsize for a in _flat(lhs)) * tm // mp
+  g_tile = sum(a.size * a.dtype.itemsize for a in _flat(grad)) * tm // mp
+  cost = pl.CostEstimate(
+      flops=2 * mp * kp * np_, transcendentals=0,
+      bytes_accessed=int(max_items * (l_tile * tiles_n + g_tile * tiles_k)
+                         + num_groups * kp * np_ * jnp.dtype(out_dtype).itemsize))
+  call = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(tiles_k, tiles_n, num_items),
+          in_specs=specs,
+          out_specs=out_spec,
+          scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+      ),
+      compiler_params=_compiler_params(vmem_limit_bytes, ("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      cost_estimate=cost,
+      name=f"tgmm_{fmt.name}",
+  )
+  return call(meta, *inputs)
