@@ -12,6 +12,7 @@ collective. Exits 1 when the program does not fit. The topology defaults to the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -92,6 +93,15 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
                                            **kwargs).devices)
 
 
+def _pallas_target(generation: str):
+  import contextlib  # pylint: disable=import-outside-toplevel
+  try:
+    import pallas_kernels  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return contextlib.nullcontext()
+  return pallas_kernels.use_target(generation)
+
+
 def count_collectives(hlo_text: str) -> dict:
   """Occurrences of each collective op in optimized HLO (async start/done pairs count once)."""
   counts = {}
@@ -122,7 +132,11 @@ def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> A
   step = jax.jit(train.make_train_step(exp, opt.tx, opt.schedule),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
   start = time.time()
-  with jax.set_mesh(mesh):
+  # Pallas kernels pick their tiles and native formats by TPU generation: the target's, not
+  # this host's.
+  generation = topology.split(":")[0].lower()
+  # Production precision: Mosaic kernels (ragged_dot, splash) reject HIGHEST on bf16 operands.
+  with jax.set_mesh(mesh), _pallas_target(generation), jax.default_matmul_precision("default"):
     compiled = step.lower(state_in, batch_in).compile()
   elapsed = time.time() - start
   memory = compiled.memory_analysis()
@@ -142,6 +156,8 @@ def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> A
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+  # Compile-only use of libtpu: several AOT processes may share one host.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   from c2 import config as config_lib  # pylint: disable=import-outside-toplevel

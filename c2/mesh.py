@@ -74,3 +74,14 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | Non
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
   return make_mesh({}, devices=[device or jax.devices()[0]])
+
+
+def target_platform() -> str:
+  """'tpu', 'gpu' or 'cpu': the platform of the active mesh's devices, else the default backend.
+
+  "auto" implementation choices use this rather than jax.default_backend(), so an AOT compile
+  for a TPU topology from a CPU host picks the TPU paths.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()

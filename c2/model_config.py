@@ -41,6 +41,7 @@ GMM_IMPLS = ("auto", "ragged_dot", "dense", "pallas")
 GMM_FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
 A2A_IMPLS = ("auto", "ragged", "padded", "ragged_emulated")
 REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash")  # see c2.ops.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,10 @@ class ModelConfig:
   gmm_bwd_fmt: Optional[str] = None  # pallas backward format (None: same as forward)
   dispatch_fmt: Optional[str] = None  # "mxfp8": quantise tokens before the all-to-all
   a2a_impl: str = "auto"  # expert-parallel all-to-all
+  # Expert-parallel receive buffers as a multiple of the average load; None = dropless worst case
+  # (P times the average). Overflowing token-choices are dropped and counted (moe/dropped_fraction).
+  ep_capacity_factor: Optional[float] = None
+  attention_impl: str = "auto"  # splash on TPU; dense (T <= 2048) or blockwise elsewhere
 
   def __post_init__(self):
     def positive(name):
@@ -123,8 +128,10 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r}: only 'sigmoid' is supported")
     if self.mtp_depth < 0:
       raise ValueError("ModelConfig.mtp_depth must be >= 0")
+    if self.ep_capacity_factor is not None and self.ep_capacity_factor < 1.0:
+      raise ValueError("ModelConfig.ep_capacity_factor must be >= 1 (None: dropless worst case)")
     for name, allowed in (("gmm_impl", GMM_IMPLS), ("a2a_impl", A2A_IMPLS),
-                          ("remat_policy", REMAT_POLICIES)):
+                          ("remat_policy", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {allowed}")
     for name in ("gmm_fmt", "gmm_bwd_fmt", "dispatch_fmt"):

@@ -92,6 +92,8 @@ def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
   if cfg.num_moe_layers:
     balance = jnp.mean(out["aux"]["moe"]["balance_loss"])
     metrics["moe/balance_loss"] = balance
+    choices = tokens.size * cfg.experts_per_token * cfg.num_moe_layers
+    metrics["moe/dropped_fraction"] = jnp.sum(out["aux"]["moe"]["dropped"]) / choices
     if weights.balance_loss_weight:
       loss = loss + weights.balance_loss_weight * balance
     aux["moe_load"] = out["aux"]["moe"]["load"]

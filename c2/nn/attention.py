@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from c2.model_config import YarnScaling
 from c2.nn.layers import RMSNorm, default_init, logical_param
 from c2.nn.rope import apply_rotary, rotary_angles
-from c2.ops.attention import dot_product_attention
+from c2.ops.attention import attention
 from c2.sharding import constrain
 
 
@@ -41,6 +41,7 @@ class MLAttention(nn.Module):
   # modeling_deepseek.py shipped with Kimi, transformers' DeepseekV3Attention) builds them with
   # the RMSNorm default eps 1e-6, not config.rms_norm_eps (1e-5 in Kimi-K2.5).
   latent_norm_eps: float = 1e-6
+  attention_impl: str = "auto"  # see c2.ops.attention.attention
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -81,8 +82,8 @@ class MLAttention(nn.Module):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (r,))],
                         axis=-1)  # [B, T, H, K]
 
-    out = dot_product_attention(q, k, v, scale=self.softmax_scale, q_segment_ids=segment_ids,
-                                kv_segment_ids=segment_ids)  # [B, T, H, J]
+    out = attention(q, k, v, scale=self.softmax_scale, segment_ids=segment_ids,
+                    impl=self.attention_impl)  # [B, T, H, J]
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = jnp.einsum("BTHJ,HJD->BTD", out, self._weight("out", (h, j, d), ("heads", "head_dim", "embed")))
     return constrain(y, ("batch", "length", "act_embed"))

@@ -35,7 +35,7 @@ class DecoderBlock(nn.Module):
         num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-        softmax_scale=cfg.softmax_scale, dtype=dtype,
+        softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl, dtype=dtype,
         param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions)
     ffn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="ffn_norm")(x)
     if not self.use_moe:
@@ -46,7 +46,7 @@ class DecoderBlock(nn.Module):
         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor, gmm_impl=cfg.gmm_impl,
         gmm_fmt=cfg.gmm_fmt, gmm_bwd_fmt=cfg.gmm_bwd_fmt, dispatch_fmt=cfg.dispatch_fmt,
-        a2a_impl=cfg.a2a_impl, dtype=dtype, param_dtype=param_dtype,
+        a2a_impl=cfg.a2a_impl, ep_capacity_factor=cfg.ep_capacity_factor, dtype=dtype, param_dtype=param_dtype,
         name="moe")(ffn_in, segment_ids, forced_routes)
     return x + y, aux
 

@@ -13,11 +13,15 @@ experts, and sends the results back with the reverse all-to-all:
   ragged           `lax.ragged_all_to_all`: exactly the rows each shard needs (TPU/GPU only).
   padded           `lax.all_to_all` of [P, C, D] buffers with C = N * K, so even the worst case
                    (every choice to one shard) fits: dropless, runs on CPU, P times the buffer.
+Worst-case buffers cost P times the average; at full scale `capacity_factor` bounds them (e.g.
+2x the average load, which the aux-loss-free bias keeps far from) and the few token-choices that
+would overflow are dropped and counted in the `moe/dropped_fraction` metric.
   ragged_emulated  the ragged protocol's offsets and sizes, with the transfer emulated by an
                    all-gather; lets CPU tests check the exact offset arithmetic of `ragged`.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -96,17 +100,32 @@ def _run_local_experts(rows, local_ids, num_local_experts, w_gate, w_up, w_down,
   return jnp.zeros_like(ys).at[order].set(ys)
 
 
-def _padded_exchange(xs, local_ids, dest, send_sizes, num_shards, axis_name, run_experts):
+def receive_rows(rows: int, num_shards: int, capacity_factor: Optional[float]) -> int:
+  """Rows a shard can receive: the dropless worst case (every shard sends it everything) unless
+  `capacity_factor` bounds it to that multiple of the average (rows per shard)."""
+  worst = rows * num_shards
+  if capacity_factor is None:
+    return worst
+  return min(worst, max(1, math.ceil(capacity_factor * rows)))
+
+
+def _padded_exchange(xs, local_ids, dest, send_sizes, num_shards, axis_name, run_experts,
+                     capacity_factor):
   rows, d = xs.shape
-  capacity = rows  # worst case: every token-choice of this shard goes to one destination
+  # Per destination: all my rows in the worst case, else a share of the bounded receive buffer.
+  capacity = receive_rows(rows, num_shards, capacity_factor) // num_shards
+  capacity = max(1, min(rows, capacity))
   slot = jnp.arange(rows) - _exclusive_cumsum(send_sizes)[dest]
-  send_x = jnp.zeros((num_shards, capacity, d), xs.dtype).at[dest, slot].set(xs)
-  send_ids = jnp.full((num_shards, capacity), -1, jnp.int32).at[dest, slot].set(local_ids)
+  kept = slot < capacity  # rows past a destination's capacity are dropped (counted)
+  send_x = jnp.zeros((num_shards, capacity, d), xs.dtype).at[dest, slot].set(xs, mode="drop")
+  send_ids = jnp.full((num_shards, capacity), -1, jnp.int32).at[dest, slot].set(local_ids,
+                                                                                mode="drop")
   recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0, tiled=True)  # [P, C, D] by source
   recv_ids = jax.lax.all_to_all(send_ids, axis_name, 0, 0, tiled=True)
   y = run_experts(recv_x.reshape(-1, d), recv_ids.reshape(-1))
   back = jax.lax.all_to_all(y.reshape(num_shards, capacity, d), axis_name, 0, 0, tiled=True)
-  return back[dest, slot]  # [N * K, D] in sorted order
+  ys = back.at[dest, slot].get(mode="fill", fill_value=0)  # [N * K, D] in sorted order
+  return ys, jnp.sum(~kept)
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -129,37 +148,44 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   return output
 
 
-def _ragged_exchange(xs, local_ids, send_sizes, num_shards, axis_name, run_experts, emulate):
+def _ragged_exchange(xs, local_ids, send_sizes, num_shards, axis_name, run_experts, emulate,
+                     capacity_factor):
   a2a = _emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all
   rows, d = xs.shape
   me = jax.lax.axis_index(axis_name)
   all_sizes = jax.lax.all_gather(send_sizes, axis_name)  # [P(src), P(dst)]
-  recv_sizes = all_sizes[:, me]
+  buffer_rows = receive_rows(rows, num_shards, capacity_factor)
+  # Chunk of sender s lands on receiver d after the chunks of all lower-ranked senders; what
+  # would spill past the receive buffer is not sent (dropped and counted).
+  landing = _exclusive_cumsum(all_sizes, axis=0)  # [P(src), P(dst)]
+  kept = jnp.clip(buffer_rows - landing, 0, all_sizes)  # [P(src), P(dst)]
+  send_kept, recv_sizes = kept[me], kept[:, me]
   input_offsets = _exclusive_cumsum(send_sizes)
-  # Where my chunk lands on receiver d: after the chunks of all lower-ranked senders.
-  output_offsets = _exclusive_cumsum(all_sizes, axis=0)[me]
-  buffer_rows = rows * num_shards  # worst case: every shard sends everything to me
-  recv_x = a2a(xs, jnp.zeros((buffer_rows, d), xs.dtype), input_offsets, send_sizes,
+  output_offsets = jnp.minimum(landing[me], buffer_rows)
+  recv_x = a2a(xs, jnp.zeros((buffer_rows, d), xs.dtype), input_offsets, send_kept,
                output_offsets, recv_sizes, axis_name=axis_name)
-  recv_ids = a2a(local_ids, jnp.full((buffer_rows,), -1, jnp.int32), input_offsets, send_sizes,
+  recv_ids = a2a(local_ids, jnp.full((buffer_rows,), -1, jnp.int32), input_offsets, send_kept,
                  output_offsets, recv_sizes, axis_name=axis_name)
   y = run_experts(recv_x, recv_ids)
-  # Reverse: my received chunk from s sits at exclusive_cumsum(recv_sizes)[s]; it goes back to
-  # where s keeps its rows for me, input_offsets of s at my index.
+  # Reverse: the chunk I got from s sits at landing[s, me]; it returns to where s keeps its rows
+  # for me (s's input offset at my index). Rows never sent come back as zeros.
   back_offsets = _exclusive_cumsum(all_sizes, axis=1)[:, me]
-  return a2a(y, jnp.zeros((rows, d), y.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
-             back_offsets, send_sizes, axis_name=axis_name)
+  ys = a2a(y, jnp.zeros((rows, d), y.dtype), jnp.minimum(landing[:, me], buffer_rows), recv_sizes,
+           back_offsets, send_kept, axis_name=axis_name)
+  return ys, jnp.sum(send_sizes - send_kept)
 
 
 def expert_parallel_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                         w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                         gmm: GroupedMatmul, *, axis_name: str, num_shards: int, a2a_impl: str,
-                        transport_fn: Optional[Callable[[jax.Array], jax.Array]] = None
-                        ) -> jax.Array:
+                        transport_fn: Optional[Callable[[jax.Array], jax.Array]] = None,
+                        capacity_factor: Optional[float] = None) -> tuple[jax.Array, jax.Array]:
   """Inside shard_map: this shard's tokens x [N, D], routes [N, K]; w_* hold this shard's experts.
 
   `transport_fn` (e.g. MXFP8 quantise/dequantise) is applied to tokens before they travel.
-  Returns [N, D] float32.
+  `capacity_factor` None keeps the receive buffers at the dropless worst case; a number bounds
+  them to that multiple of the average load, dropping (and counting) what overflows.
+  Returns (y [N, D] float32, number of token-choices dropped on this shard).
   """
   experts_per_shard = w_gate.shape[0]
   order, local_ids, xs, dest, send_sizes = _sort_for_shards(x, expert_ids, experts_per_shard,
@@ -172,11 +198,12 @@ def expert_parallel_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     return _run_local_experts(rows, ids, experts_per_shard, w_gate, w_up, w_down, gmm)
 
   if a2a_impl == "padded":
-    ys = _padded_exchange(xs, local_ids, dest, send_sizes, num_shards, axis_name, run_experts)
+    ys, dropped = _padded_exchange(xs, local_ids, dest, send_sizes, num_shards, axis_name,
+                                   run_experts, capacity_factor)
   elif a2a_impl in ("ragged", "ragged_emulated"):
-    ys = _ragged_exchange(xs, local_ids, send_sizes, num_shards, axis_name, run_experts,
-                          emulate=a2a_impl == "ragged_emulated")
+    ys, dropped = _ragged_exchange(xs, local_ids, send_sizes, num_shards, axis_name, run_experts,
+                                   a2a_impl == "ragged_emulated", capacity_factor)
   else:
     raise ValueError(f"unknown all-to-all impl {a2a_impl!r}")
   y_choices = jnp.zeros_like(ys).at[order].set(ys)
-  return _combine(y_choices, weights)
+  return _combine(y_choices, weights), dropped

@@ -16,18 +16,15 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from c2.nn import dispatch
 from c2.nn.layers import GatedFFN, default_init, logical_param
 from c2.losses import expert_counts, sequence_balance_loss
 from c2.nn.router import route
 from c2.ops.gmm import grouped_matmul, resolve_impl
+from c2.mesh import target_platform
 from c2.sharding import constrain, logical_to_spec
-
-
-def _straight_through(fn, x):
-  """Applies a non-differentiable transport (quantise/dequantise) with an identity gradient."""
-  return x + jax.lax.stop_gradient(fn(x).astype(x.dtype) - x)
 
 
 class MoE(nn.Module):
@@ -44,13 +41,14 @@ class MoE(nn.Module):
   gmm_bwd_fmt: Optional[str] = None
   dispatch_fmt: Optional[str] = None
   a2a_impl: str = "auto"
+  ep_capacity_factor: Optional[float] = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array,
                forced_routes: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-    """x [B, T, D] -> (y [B, T, D], aux) with aux = load [E], balance_loss [], routes [B, T, K]."""
+    """x [B, T, D] -> (y [B, T, D], aux): load [E], balance_loss [], routes [B, T, K], dropped []."""
     b, t, d = x.shape
     e, f, k = self.num_experts, self.expert_ffn_size, self.experts_per_token
     router_kernel = logical_param(self, "router", (d, e), ("embed", None), default_init(),
@@ -73,7 +71,8 @@ class MoE(nn.Module):
     weights = routes.weights.reshape(b, t, k)
     token_mask = segment_ids > 0
 
-    routed = self._routed_experts(x.astype(self.dtype), expert_ids, weights, w_gate, w_up, w_down)
+    routed, dropped = self._routed_experts(x.astype(self.dtype), expert_ids, weights, w_gate, w_up,
+                                           w_down)
     shared = GatedFFN(self.shared_ffn_size, self.dtype, self.param_dtype, name="shared")(x)
     y = constrain(routed.astype(self.dtype) + shared, ("batch", "length", "act_embed"))
     aux = {
@@ -81,6 +80,7 @@ class MoE(nn.Module):
         "balance_loss": sequence_balance_loss(routes.scores.reshape(b, t, e), expert_ids,
                                               token_mask, num_experts=e, top_k=k),
         "routes": expert_ids,
+        "dropped": dropped,  # token-choices lost to a bounded expert-parallel buffer
     }
     return y, aux
 
@@ -92,8 +92,9 @@ class MoE(nn.Module):
     if self.dispatch_fmt is None:
       return None
     from pallas_kernels import quant  # pylint: disable=import-outside-toplevel
-    qdq = lambda rows: quant.dequantize(quant.quantize(rows, self.dispatch_fmt))
-    return functools.partial(_straight_through, qdq)
+    # Quantise-dequantise with a straight-through gradient: the values that travel are exactly
+    # what an MXFP8 all-to-all would deliver.
+    return functools.partial(quant.fake_quant, fmt=self.dispatch_fmt)
 
   def _local_ffn(self, *args):
     """Experts on this device: all-experts batched matmuls for `dense`, else sort + gmm."""
@@ -107,7 +108,7 @@ class MoE(nn.Module):
     if mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1:
       y = self._local_ffn(x.reshape(b * t, d), expert_ids.reshape(b * t, -1),
                           weights.reshape(b * t, -1), w_gate, w_up, w_down)
-      return y.reshape(b, t, d)
+      return y.reshape(b, t, d), jnp.zeros((), jnp.int32)
 
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     token_spec = logical_to_spec(("batch", "length", None), x.shape, sizes)
@@ -118,7 +119,7 @@ class MoE(nn.Module):
     num_shards = math.prod(sizes[a] for a in _as_tuple(expert_axis))
     a2a_impl = self.a2a_impl
     if a2a_impl == "auto":
-      a2a_impl = "padded" if jax.default_backend() == "cpu" else "ragged"
+      a2a_impl = "padded" if target_platform() == "cpu" else "ragged"
     gmm, transport = self._gmm(), self._transport()
 
     def body(x_, ids_, w_, gate_, up_, down_):
@@ -126,19 +127,22 @@ class MoE(nn.Module):
       args = (x_.reshape(b_ * t_, d), ids_.reshape(b_ * t_, -1), w_.reshape(b_ * t_, -1),
               gate_, up_, down_)
       if num_shards == 1:
-        y_ = self._local_ffn(*args)
+        y_, dropped_ = self._local_ffn(*args), jnp.zeros((), jnp.int32)
       else:
-        y_ = dispatch.expert_parallel_ffn(*args, gmm, axis_name=expert_axis,
-                                          num_shards=num_shards, a2a_impl=a2a_impl,
-                                          transport_fn=transport)
+        y_, dropped_ = dispatch.expert_parallel_ffn(
+            *args, gmm, axis_name=expert_axis, num_shards=num_shards, a2a_impl=a2a_impl,
+            transport_fn=transport, capacity_factor=self.ep_capacity_factor)
       if tensor_axis is not None:
         y_ = jax.lax.psum(y_, tensor_axis)  # expert FFN columns were split over `tensor`
-      return y_.reshape(b_, t_, d)
+      if token_axes:  # shards holding different tokens add their drops
+        dropped_ = jax.lax.psum(dropped_, token_axes)
+      return y_.reshape(b_, t_, d), dropped_
 
+    token_axes = tuple(a for entry in token_spec for a in _as_tuple(entry))
     return jax.shard_map(body, in_specs=(token_spec, route_spec, route_spec, w_in_spec, w_in_spec,
                                          w_out_spec),
-                         out_specs=token_spec, check_vma=False)(x, expert_ids, weights, w_gate,
-                                                                w_up, w_down)
+                         out_specs=(token_spec, P()), check_vma=False)(
+                             x, expert_ids, weights, w_gate, w_up, w_down)
 
 
 def _as_tuple(axis) -> tuple:

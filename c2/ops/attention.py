@@ -2,10 +2,20 @@
 
 Glossary: B batch, T query length, S key length, H heads, K query/key head dim, J value head dim.
 
+`attention` is the one entry point the model calls; `impl` picks an implementation of the same
+function (they differ only in cost and float rounding):
+  reference  `dot_product_attention` below, the specification: dense [B, H, T, S] float32
+             scores. Fine for short rows; 64 heads x 32k^2 x 4 bytes = 256 GiB per sequence.
+  blockwise  `c2.ops.blockwise_attention`: flash-style online softmax in plain jnp with a
+             recomputing custom VJP; O(T x block) memory on any backend (the long-row CPU path).
+  splash     `c2.ops.splash_attention`: jax's Pallas TPU splash kernel, per device in shard_map.
+  auto       splash when the target is a TPU (the mesh's devices, so AOT compiles from a CPU host
+             pick it too), else reference up to DENSE_MAX_LEN tokens and blockwise beyond.
+
 Packed rows hold several documents; `segment_ids` (0 = padding) keep attention inside a document
 and causality is by index within the row (documents are contiguous, so that equals causality by
-position). Fully masked rows (padding) get a uniform distribution rather than NaNs: their outputs
-are never used, but NaNs would poison gradients.
+position). In `dot_product_attention` fully masked rows (padding) get a uniform distribution
+rather than NaNs, which would poison gradients; `attention` then sets them to zero.
 """
 from __future__ import annotations
 
@@ -13,6 +23,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from c2.mesh import target_platform
+from c2.ops.blockwise_attention import blockwise_attention
+from c2.ops.splash_attention import splash_attention
+
+IMPLS = ("auto", "reference", "blockwise", "splash")
+DENSE_MAX_LEN = 2048  # "auto" off TPU: dense [B, H, T, T] scores up to here, blockwise beyond
 
 # Large finite negative: exp() underflows to 0 without producing inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -46,3 +63,34 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
   out = jnp.einsum("BHTS,BSHJ->BTHJ", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.astype(v.dtype)
+
+
+def resolve_impl(impl: str, seq_len: int) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl {impl!r}; choose one of {IMPLS}")
+  if impl != "auto":
+    return impl
+  if target_platform() == "tpu":
+    return "splash"
+  return "reference" if seq_len <= DENSE_MAX_LEN else "blockwise"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, segment_ids: jax.Array,
+              impl: str = "auto") -> jax.Array:
+  """Causal self-attention inside packed documents, by the implementation `impl` names.
+
+  q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] int (0 = padding)
+  -> [B, T, H, J] (dtype of v). Query rows with segment id 0 output zeros (and so pass no
+  gradient): implementations fill padding rows differently, and zero is the one answer all can
+  give exactly.
+  """
+  impl = resolve_impl(impl, q.shape[1])
+  if impl == "reference":
+    out = dot_product_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
+                                kv_segment_ids=segment_ids)
+  elif impl == "blockwise":
+    out = blockwise_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
+                              kv_segment_ids=segment_ids)
+  else:
+    out = splash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(v.dtype)

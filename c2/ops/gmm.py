@@ -16,12 +16,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from c2.mesh import target_platform
+
 
 def resolve_impl(impl: str) -> str:
-  """'auto' picks by backend: dense on CPU (tiny shapes), ragged_dot elsewhere."""
+  """'auto' picks by the target platform: dense on CPU (tiny shapes), ragged_dot elsewhere."""
   if impl != "auto":
     return impl
-  return "dense" if jax.default_backend() == "cpu" else "ragged_dot"
+  return "dense" if target_platform() == "cpu" else "ragged_dot"
 
 
 def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:

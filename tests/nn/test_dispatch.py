@@ -69,18 +69,59 @@ def test_grouped_matmul_groups_and_tail(impl):
 @pytest.mark.parametrize("a2a_impl", ["padded", "ragged_emulated"])
 @pytest.mark.parametrize("skewed", [False, True])
 def test_expert_parallel_equals_reference(a2a_impl, skewed):
-  """4 expert shards x 2 data shards; each shard owns 2 experts and a quarter of the tokens."""
+  """4 expert shards x 2 data shards; each shard owns 2 experts and an eighth of the tokens."""
   x, ids, w = _routes(1, skewed)
   gate, up, down = _weights(1)
+
+  out, dropped = _expert_parallel(x, ids, w, gate, up, down, a2a_impl, None)
+  np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
+  assert int(dropped) == 0
+
+
+def _expert_parallel(x, ids, w, gate, up, down, a2a_impl, capacity_factor):
+  """4 expert shards x 2 data shards; returns (output, token-choices dropped in total)."""
   mesh = meshlib.make_mesh({"data": 2, "expert": 4})
   gmm = functools.partial(grouped_matmul, impl="ragged_dot")
 
   def body(x_, ids_, w_, gate_, up_, down_):
-    return dispatch.expert_parallel_ffn(x_, ids_, w_, gate_, up_, down_, gmm, axis_name="expert",
-                                        num_shards=4, a2a_impl=a2a_impl)
+    y, dropped = dispatch.expert_parallel_ffn(
+        x_, ids_, w_, gate_, up_, down_, gmm, axis_name="expert", num_shards=4,
+        a2a_impl=a2a_impl, capacity_factor=capacity_factor)
+    return y, jax.lax.psum(dropped, ("data", "expert"))
 
   tokens, experts = P(("data", "expert")), P("expert")
   with jax.set_mesh(mesh):
-    out = jax.jit(jax.shard_map(body, in_specs=(tokens, tokens, tokens, experts, experts, experts),
-                                out_specs=tokens, check_vma=False))(x, ids, w, gate, up, down)
-  np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
+    return jax.jit(jax.shard_map(body, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+                                 out_specs=(tokens, P()), check_vma=False))(x, ids, w, gate, up,
+                                                                            down)
+
+
+def _expected_drops(ids, a2a_impl, capacity_factor):
+  """Token-choices over the bounded buffers, from the routing alone (8 shards of 8 tokens)."""
+  ids = np.asarray(ids).reshape(8, 8 * K)  # [token shard, choices]; data-major like the mesh
+  expert_shard = ids // 2  # 2 experts per expert shard
+  rows = 8 * K
+  sizes = np.stack([np.bincount(row, minlength=4) for row in expert_shard])  # [src, dst]
+  buffer = min(rows * 4, int(np.ceil(capacity_factor * rows)))
+  if a2a_impl == "padded":
+    per_destination = max(1, min(rows, buffer // 4))
+    return int(np.maximum(sizes - per_destination, 0).sum())
+  dropped = 0
+  for group in range(2):  # the all-to-all runs within each data row of 4 expert shards
+    received = sizes[group * 4:(group + 1) * 4].sum(0)
+    dropped += int(np.maximum(received - buffer, 0).sum())
+  return dropped
+
+
+@pytest.mark.parametrize("a2a_impl", ["padded", "ragged_emulated"])
+def test_bounded_buffers_drop_only_the_overflow(a2a_impl):
+  x, ids, w = _routes(1, skewed=True)  # every choice to experts 0, 1: all on expert shard 0
+  gate, up, down = _weights(1)
+  out, dropped = _expert_parallel(x, ids, w, gate, up, down, a2a_impl, capacity_factor=2.0)
+  expected = _expected_drops(ids, a2a_impl, 2.0)
+  assert int(dropped) == expected > 0
+  # Generous buffers: identical to the dropless result.
+  out_full, dropped_full = _expert_parallel(x, ids, w, gate, up, down, a2a_impl, 4.0)
+  assert int(dropped_full) == 0
+  np.testing.assert_allclose(out_full, _reference(x, ids, w, gate, up, down), rtol=1e-4,
+                             atol=1e-5)

@@ -1,0 +1,176 @@
+"""The TPU path: jax's Pallas splash attention kernel behind the c2 attention contract.
+
+Glossary: B batch, T length, H heads, K query/key head dim, J value head dim.
+
+The kernel (jax.experimental.pallas.ops.tpu.splash_attention) works on one sequence,
+q [H, T, K], k [H, T, K], v [H, T, J], with a static mask (here causal) AND-ed with segment ids,
+and has its own custom VJP (separate dQ and dKV kernels). This wrapper adapts it:
+
+  - the softmax scale (MLA folds YaRN's mscale^2 into it) is multiplied into q: the kernel has
+    no scale argument;
+  - q/k and v head dims are zero-padded to a multiple of 128 lanes (K 192 -> 256, J 128 stays;
+    tiny preset 48 -> 128, 32 -> 128). Zero columns add nothing to q.k, and padded output
+    columns are sliced off. TPU HBM tiles the minor dim to 128 lanes anyway, so at K = 192 the
+    cost is the pad copy fused into the [B, T, H, K] -> [B, H, T, K] transpose, not MXU work;
+    unpadded 192 also compiles, but with more temporaries (v5p, 8k tokens, 4 heads per device:
+    85 MiB unpadded vs 60 MiB padded, relayout copies);
+  - T is padded to a multiple of the blocks with segment id 0 and sliced back;
+  - it runs per device inside `jax.shard_map` with batch and heads manual (logical axes
+    `batch` and `act_heads`, so the rules table decides the mesh axes) and vmaps the kernel over
+    the local batch. The length stays whole on each device: context parallelism needs a ring or
+    all-gather kv variant that this does not provide.
+Padding query rows (segment 0) attend causally to other padding tokens; the dispatcher zeroes
+their outputs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
+
+from c2 import hardware
+from c2.sharding import logical_to_spec
+
+LANES = 128
+HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple of this
+
+# Block sizes per TPU generation: rows (max_len, block_q, block_kv, block_kv_compute); the first
+# row with T <= max_len wins (None: any length). The backward kernels use the same sizes. Untuned:
+# 512 is MaxText's default for every splash block; 1024 beyond 64k keeps the host-side mask
+# processing and the grid small. Blocks are clipped to T rounded up to 128, so short sequences do
+# not pad to 512. Add a generation's rows here once measured.
+SPLASH_BLOCKS: dict[str, tuple[tuple[Optional[int], int, int, int], ...]] = {
+    "default": ((65536, 512, 512, 512), (None, 1024, 1024, 512)),
+}
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def block_sizes(seq_len: int, generation: Optional[str] = None) -> splash.BlockSizes:
+  """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...)."""
+  rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
+  _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
+  cap = _round_up(seq_len, LANES)
+  block_q, block_kv = min(block_q, cap), min(block_kv, cap)
+  compute = compute if block_kv % compute == 0 else block_kv
+  return splash.BlockSizes(
+      block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
+      block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=compute,
+      block_q_dq=block_q, block_kv_dq=block_kv)
+
+
+def generation_of(device) -> Optional[str]:
+  """'v5p', 'v6e', 'tpu7x', ... for a (possibly abstract) device; None when unknown."""
+  chip = hardware.chip_of_device(device)
+  return next((name for name, spec in hardware.CHIPS.items() if spec is chip), None)
+
+
+class CausalBlockMask(splash_mask.CausalMask):
+  """`CausalMask` whose host-side block queries cost O(1) instead of O(block_q * block_kv).
+
+  Building the kernel classifies every (q block, kv block) as empty, partial or full from
+  `chunk.any()` / `chunk.all()`; the stock mask materialises each chunk, T^2 booleans in all
+  (5.7 s of host time at 32k tokens, ~6 minutes at 256k by T^2 scaling; this: 0.24 s and
+  2.1 s). Causality is monotone in both
+  indices, so a block's any/all are its bottom-left / top-right corners: this returns the 2 x 2
+  corners. The kernel itself never reads these chunks - it recomputes the mask from
+  `q_sequence` with `mask_function` - and the resulting MaskInfo equals the stock one
+  (tests/ops/test_attention.py checks it).
+  """
+
+  def __getitem__(self, idx) -> np.ndarray:
+    q_slice, kv_slice = idx
+    q_start, q_stop, _ = q_slice.indices(self.shape[0])
+    kv_start, kv_stop, _ = kv_slice.indices(self.shape[1])
+    rows = self.q_sequence[[q_start, q_stop - 1]]
+    cols = np.array([kv_start, kv_stop - 1])
+    return self.mask_function(rows[:, None], cols[None, :])
+
+
+def make_kernel(num_heads: int, seq_len: int, blocks: splash.BlockSizes, interpret: bool = False):
+  """A causal splash kernel for [H, T, *] inputs (mask processing is cached by jax per mask)."""
+  mask = splash_mask.MultiHeadMask([CausalBlockMask((seq_len, seq_len))] * num_heads)
+  return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                                interpret=interpret)
+
+
+def _at_default_precision(fn):
+  """fn(q, k, v, segment_ids) with its kernels traced at DEFAULT matmul precision, fwd and bwd.
+
+  Mosaic rejects HIGHEST (fp32 contract precision) on bf16 operands, so a global
+  jax_default_matmul_precision="highest" (the CPU test suite sets one) would fail the TPU compile.
+  The kernel's bf16 dots accumulate in float32 either way (float32 inputs on a TPU would get
+  DEFAULT-precision dots; the model computes in bf16). The backward kernels are traced when the
+  VJP runs, outside any caller's context, hence the custom_vjp around jax.vjp.
+  """
+  precision = lambda: jax.default_matmul_precision("default")
+
+  @jax.custom_vjp
+  def call(q, k, v, segment_ids):
+    with precision():
+      return fn(q, k, v, segment_ids)
+
+  def call_fwd(q, k, v, segment_ids):
+    with precision():
+      return jax.vjp(lambda q, k, v: fn(q, k, v, segment_ids), q, k, v)
+
+  def call_bwd(vjp, d_out):
+    with precision():
+      return (*vjp(d_out), None)
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
+
+
+def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret):
+  """One device's shard: q [B, T, H, K], k [B, T, H, K], v [B, T, H, J] -> [B, T, H, J]."""
+  t, h, v_dim = q.shape[1], q.shape[2], v.shape[3]
+  blocks = blocks or block_sizes(t, generation)
+  padded_t = _round_up(t, math.lcm(blocks.block_q, blocks.block_kv))
+
+  def to_kernel_layout(x):  # [B, T, H, D] -> [B, H, T', D'], zero padded
+    d = x.shape[-1]
+    x = jnp.pad(x, ((0, 0), (0, padded_t - t), (0, 0), (0, _round_up(d, HEAD_DIM_MULTIPLE) - d)))
+    return jnp.einsum("BTHD->BHTD", x)
+
+  q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+  seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded_t - t)))
+  kernel = make_kernel(h, padded_t, blocks, interpret)
+  out = _at_default_precision(jax.vmap(kernel))(
+      to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v),
+      splash.SegmentIds(q=seg, kv=seg))  # [B, H, T', J']
+  return jnp.einsum("BHTJ->BTHJ", out)[:, :t, :, :v_dim].astype(v.dtype)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                     segment_ids: jax.Array, blocks: Optional[splash.BlockSizes] = None,
+                     interpret: bool = False) -> jax.Array:
+  """Causal self-attention inside packed segments with the splash kernel.
+
+  q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] -> [B, T, H, J] (dtype of
+  v). `blocks` overrides the table; `interpret` runs the kernel in the Pallas interpreter (CPU
+  tests). Under a mesh (jax.set_mesh) it runs in shard_map over the batch and head axes.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  has_mesh = mesh is not None and not mesh.empty
+  device = mesh.abstract_device if has_mesh else None
+  local = functools.partial(
+      _local_splash, scale=float(scale), blocks=blocks, interpret=interpret,
+      generation=generation_of(device if device is not None else jax.devices()[0]))
+  if not has_mesh or math.prod(mesh.axis_sizes) == 1:
+    with jax.named_scope("splash_attention"):
+      return local(q, k, v, segment_ids)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  spec = logical_to_spec(("batch", None, "act_heads", None), q.shape, sizes)
+  with jax.named_scope("splash_attention"):
+    return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0], None)), out_specs=spec,
+                         check_vma=False)(q, k, v, segment_ids)
