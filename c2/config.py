@@ -250,9 +250,13 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   if optim.warmup_steps > train.steps:
     raise ConfigError(f"config.optim.warmup_steps={optim.warmup_steps} exceeds config.train.steps="
                       f"{train.steps}")
-  if exp.phase == "sft" and data.source == "stdlib":
+  if exp.phase == "sft" and "stdlib" in (data.source, data.eval_source):
     raise ConfigError("config.data.source: the sft phase needs a chat JSONL source "
-                      "('jsonl:/path/{split}.jsonl' with {'messages': [...]}), not 'stdlib'")
+                      "('jsonl:/path/{split}.jsonl' with {'messages': [...]}) or the embedded "
+                      "'stdlib_chat', not 'stdlib'")
+  if exp.phase != "sft" and "stdlib_chat" in (data.source, data.eval_source):
+    raise ConfigError("config.data.source='stdlib_chat' holds chat records for the sft phase; "
+                      "use 'stdlib' for language-modelling phases")
   for name in ("log_every", "eval_every", "eval_batches", "steps", "ce_chunk_size"):
     if getattr(train, name) <= 0:
       raise ConfigError(f"config.train.{name} must be positive")

@@ -49,6 +49,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=256, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
     c.mesh.update(fsdp=-1, expert=8)
+    c.model.update(ep_capacity_factor=2.0)
     c.optim.update(peak_lr=3e-4, warmup_steps=500)
     c.train.update(steps=20000, max_minutes=None, eval_every=1000, eval_batches=16,
                    ce_chunk_size=8192)
@@ -56,9 +57,13 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.aot.update(topology="v5p:4x4x4")
   elif variant == "full":
     c.model.preset = "kimi-k2.5"
+    # Bounded expert-parallel buffers (2x the mean load; drops are logged) and full remat: the
+    # dropless worst case would cost EP=16 times the dispatched activations.
+    c.model.update(ep_capacity_factor=2.0, remat_policy="full")
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=1024, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
-    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=1)
+    # 4096 v5p chips: one 32k sequence per (fsdp, expert) pair, 16 of the 64 heads per device.
+    c.mesh.update(fsdp=-1, expert=16, tensor=4, context=1)
     c.optim.update(peak_lr=2e-5, warmup_steps=200, min_lr_ratio=0.35)
     c.train.update(steps=50000, max_minutes=None, eval_every=1000, eval_batches=16,
                    ce_chunk_size=8192)

@@ -7,9 +7,12 @@ shuffle globally and shard by index (c2/data/pipeline.py). Record schemas:
     consumers in c2/data/examples.py parse a "messages"/"tools" string if they find one).
   * ArrayRecord: each record is the UTF-8 JSON of an object, i.e. a JSONL line.
   * stdlib: {"text": file source}.
+  * stdlib_chat: {"messages": [...]} (+ "tools") coding tasks built from the stdlib for SFT
+    (c2/data/stdlib_chat.py).
 
 A source spec is a short string:
   "stdlib"                                      the embedded corpus (split = train / heldout)
+  "stdlib_chat"                                 its embedded SFT chats (same split)
   "jsonl:/data/{split}-*.jsonl"                 kind prefix, optional `{split}` placeholder, globs
   "gs://bucket/corpus/{split}.parquet"          kind inferred from the extension
   "arrayrecord:/data/a.array_record,/data/b.array_record"   comma-separated paths
@@ -28,9 +31,10 @@ from etils import epath
 import grain
 import numpy as np
 
-from c2.data import stdlib_corpus
+from c2.data import stdlib_chat, stdlib_corpus
 
-KINDS = ("stdlib", "jsonl", "parquet", "arrayrecord")
+KINDS = ("stdlib", "stdlib_chat", "jsonl", "parquet", "arrayrecord")
+_EMBEDDED_KINDS = ("stdlib", "stdlib_chat")  # built in, no paths
 _EXTENSION_KIND = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet",
                    ".array_record": "arrayrecord", ".arrayrecord": "arrayrecord"}
 _GLOB_CHARS = frozenset("*?[")
@@ -46,15 +50,16 @@ class SourceSpec:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"source kind must be one of {KINDS}, got {self.kind!r}")
-    if (self.kind == "stdlib") != (not self.patterns):
-      raise ValueError("the stdlib source takes no paths; every other source needs some")
+    if (self.kind in _EMBEDDED_KINDS) != (not self.patterns):
+      raise ValueError(f"the embedded sources {_EMBEDDED_KINDS} take no paths; every other "
+                       "source needs some")
 
   @classmethod
   def parse(cls, spec: str | SourceSpec) -> SourceSpec:
     if isinstance(spec, SourceSpec):
       return spec
-    if spec == "stdlib":
-      return cls("stdlib")
+    if spec in _EMBEDDED_KINDS:
+      return cls(spec)
     kind, sep, rest = spec.partition(":")
     if sep and kind in KINDS:
       return cls(kind, tuple(p for p in rest.split(",") if p))
@@ -215,6 +220,8 @@ def open_source(spec: str | SourceSpec, split: str):
   spec = SourceSpec.parse(spec)
   if spec.kind == "stdlib":
     return StdlibSource(split)
+  if spec.kind == "stdlib_chat":
+    return stdlib_chat.StdlibChatSource(split)
   paths = spec.resolve_paths(split)
   source_class = {"jsonl": JsonlSource, "parquet": ParquetSource,
                   "arrayrecord": ArrayRecordSource}[spec.kind]
