@@ -2,8 +2,9 @@
 
 Launch (CPU, the embedded stdlib corpus, no download; ends by itself in about 10 minutes):
   python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
-Expected: held-out CE falls from ~8.3 (ln 4096) to well below the held-out unigram entropy
-(~6.1 nats/token) within the run; MTP top-1 agreement with the main head rises.
+Expected (measured on 2 CPU cores, ~2 s/step): held-out CE falls from ~8.3 (ln 4096) to ~4.0
+nats/token, far below the held-out unigram entropy (6.14 nats/token); MTP top-1 agreement with
+the main head rises. Rerunning the command resumes from the last checkpoint.
 
 Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/pretrain.py:full
@@ -30,15 +31,15 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
       seq_len=256, global_batch_size=16, seed=0, read_threads=1, num_workers=0,
       text_field="text", sft_train_on="current_turn"))
   c.optim = ml_collections.ConfigDict(dict(
-      name="adamw", peak_lr=3e-3, schedule="wsd", warmup_steps=50, decay_fraction=0.2,
+      name="adamw", peak_lr=3e-3, schedule="wsd", warmup_steps=20, decay_fraction=0.2,
       decay_shape="linear", min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
       clip_norm=1.0, muon_momentum=0.95))
   c.train = ml_collections.ConfigDict(dict(
-      steps=600, max_minutes=9.0, log_every=10, eval_every=100, eval_batches=4, seed=0,
+      steps=240, max_minutes=9.5, log_every=10, eval_every=60, eval_batches=4, seed=0,
       ce_chunk_size=1024, z_loss_weight=1e-4, mtp_weight=0.3, mtp_loss="distill",
       mtp_detach_trunk=True, balance_loss_weight=1e-4, bias_update_rate=1e-3,
       init_from=ml_collections.FieldReference(None, field_type=str), nan_check=True))
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, async_save=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=60, keep=3, async_save=True))
   c.aot = ml_collections.ConfigDict(dict(topology="v5p:2x2x1", num_slices=1))
   c.data.eval_source = ml_collections.FieldReference(None, field_type=str)
 
