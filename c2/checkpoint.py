@@ -84,20 +84,22 @@ def restore_params_subset(directory: str, abstract_params: Any,
   manager = ocp.CheckpointManager(directory if _is_remote(directory) else os.path.abspath(directory),
                                   item_names=("params", "opt_state", "meta"))
   step = manager.latest_step() if step is None else step
+  manager.close()
   if step is None:
     raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
-  saved = manager.item_metadata(step)["params"]
-  saved_keys = set(saved.keys()) if hasattr(saved, "keys") else set()
-  present = {k: v for k, v in abstract_params.items() if k in saved_keys}
-  missing = sorted(set(abstract_params) - saved_keys)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.PyTreeRestore(item=present, partial_restore=True,
-                                    restore_args=ocp.checkpoint_utils.construct_restore_args(
-                                        present))))
-  manager.close()
+  # The params item on its own, read with a plain PyTree checkpointer: its metadata names the
+  # saved top-level modules, and a partial restore reads only those.
+  params_dir = os.path.join(directory, str(step), "params")
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(params_dir).item_metadata.tree
+  present = {k: v for k, v in abstract_params.items() if k in saved}
+  missing = sorted(set(abstract_params) - set(saved))
+  restored = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
+      item=present, partial_restore=True,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(present)))
   logging.info("init_from %s step %d: restored %s; fresh: %s", directory, step,
                sorted(present), missing)
-  return dict(restored["params"]), missing
+  return dict(restored), missing
 
 
 def write_config_json(path: str, config: Any) -> None:

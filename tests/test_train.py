@@ -119,3 +119,24 @@ def test_resume_is_exact_and_tensorboard_has_the_scalars(small_experiment, tmp_p
   assert "config" in events.Tags()["tensors"] or "config/text_summary" in events.Tags()["tensors"]
   config = json.loads((tmp_path / "straight" / "tb" / "config.json").read_text())
   assert config["model"]["hidden_size"] == exp.model.hidden_size
+
+
+def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experiment, tmp_path):
+  """Composer 2 attaches MTP to a mid-run checkpoint: trunk restored, MTP freshly initialised."""
+  build, seed_dir = small_experiment
+  without_mtp = build(**{"model.mtp_depth": 0, "train.steps": 2, "train.eval_every": 2})
+  train.run(without_mtp, seed_dir(tmp_path / "base"))
+  with_mtp = build(**{"train.init_from": str(tmp_path / "base" / "ckpt")})
+  opt = train.make_optimizer(with_mtp)
+  mesh = meshlib.make_mesh({}, devices=jax.devices()[:1])
+  shardings = state_lib.state_shardings(with_mtp.model, opt.tx, mesh)
+  with jax.set_mesh(mesh):
+    fresh = state_lib.init_state(with_mtp.model, opt.tx, jax.random.key(0), shardings)
+    loaded = train._load_init_from(with_mtp, fresh, shardings)  # pylint: disable=protected-access
+  from c2 import checkpoint as ckpt_lib
+  saved, missing = ckpt_lib.restore_params_subset(
+      str(tmp_path / "base" / "ckpt"), jax.tree.map(np.asarray, fresh.params))
+  assert missing == ["mtp_0"]
+  np.testing.assert_array_equal(loaded.params["lm_head"], saved["lm_head"])
+  assert not np.array_equal(loaded.params["lm_head"], fresh.params["lm_head"])
+  np.testing.assert_array_equal(loaded.params["mtp_0"]["eh_proj"], fresh.params["mtp_0"]["eh_proj"])
