@@ -188,6 +188,26 @@ def model_section(preset: str, **overrides) -> Any:
   return section
 
 
+def default_config(phase: str, preset: str) -> Any:
+  """A complete experiment ConfigDict holding the dataclass defaults, for experiment files to
+  start from and change only what differs: the defaults live in one place (the dataclasses)."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  config = ml_collections.ConfigDict({"phase": phase, "name": phase})
+  config.model = model_section(preset)
+  for name, cls in _SECTIONS.items():
+    section = ml_collections.ConfigDict()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+      hint = hints[field.name]
+      if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional: typed slot
+        inner = [a for a in typing.get_args(hint) if a is not type(None)][0]
+        section[field.name] = ml_collections.FieldReference(field.default, field_type=inner)
+      else:
+        section[field.name] = field.default
+    config[name] = section
+  return config
+
+
 def _model_config(values: Mapping[str, Any]) -> ModelConfig:
   values = {k: v for k, v in values.items() if v is not None}  # None: keep the preset's value
   preset = values.pop("preset", None)
