@@ -92,8 +92,10 @@ def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
   if cfg.num_moe_layers:
     balance = jnp.mean(out["aux"]["moe"]["balance_loss"])
     metrics["moe/balance_loss"] = balance
-    choices = tokens.size * cfg.experts_per_token * cfg.num_moe_layers
-    metrics["moe/dropped_fraction"] = jnp.sum(out["aux"]["moe"]["dropped"]) / choices
+    # Python float: at full scale the count of token-choices (1.6e10) overflows int32.
+    choices = float(tokens.size) * cfg.experts_per_token * cfg.num_moe_layers
+    dropped = out["aux"]["moe"]["dropped"].astype(jnp.float32)
+    metrics["moe/dropped_fraction"] = jnp.sum(dropped) / choices
     if weights.balance_loss_weight:
       loss = loss + weights.balance_loss_weight * balance
     aux["moe_load"] = out["aux"]["moe"]["load"]
