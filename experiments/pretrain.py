@@ -48,8 +48,10 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.model.update(ep_capacity_factor=2.0, remat_policy="full")
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=1024, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
-    # 4096 v5p chips: one 32k sequence per (fsdp, expert) pair, 16 of the 64 heads per device.
-    c.mesh.update(fsdp=-1, expert=16, tensor=4, context=1)
+    # 4096 v5p chips: one 32k sequence per (fsdp, expert) pair, split over 4 context shards.
+    # Measured by `python -m c2.aot --config experiments/pretrain.py:full`: 46.4 GiB of 95 GiB
+    # per device (tensor=4 instead of context=4: 116.9 GiB, does not fit).
+    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
     c.optim.update(peak_lr=2e-5, warmup_steps=200, min_lr_ratio=0.35)
     c.train.update(steps=50000, max_minutes=None, eval_every=1000, eval_batches=16,
                    ce_chunk_size=8192)

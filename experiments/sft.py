@@ -55,11 +55,12 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   elif variant == "full":
     c.model.preset = "kimi-k2.5"
     # The shapes and layout of experiments/pretrain.py:full, whose AOT check sizes them: bounded
-    # expert-parallel buffers, full remat, one 32k row per (fsdp, expert) pair on 4096 chips.
+    # expert-parallel buffers, full remat, one 32k row per (fsdp, expert) pair on 4096 chips,
+    # split over 4 context shards.
     c.model.update(ep_capacity_factor=2.0, remat_policy="full")
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=1024, source="arrayrecord:gs://BUCKET/sft/{split}-*.arrayrecord")
-    c.mesh.update(fsdp=-1, expert=16, tensor=4, context=1)
+    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
     c.optim.update(peak_lr=1e-5, warmup_steps=50, min_lr_ratio=0.1)
     c.train.update(steps=500, max_minutes=None, eval_every=50, eval_batches=16,
                    ce_chunk_size=8192)
