@@ -137,15 +137,18 @@ _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "optim": OptimConfig, "trai
              "checkpoint": CheckpointConfig, "aot": AotConfig}
 
 
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+  """Optional[X] -> (X, True); X -> (X, False)."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    return [a for a in typing.get_args(hint) if a is not type(None)][0], True
+  return hint, False
+
+
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
   """Validates (and lightly coerces int->float) one value against a dataclass annotation."""
-  hint = annotation
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if value is None:
-      return None
-    hint = args[0]
+  hint, optional = _unwrap_optional(annotation)
+  if optional and value is None:
+    return None
   if hint is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if hint in (int, float, str, bool) and not (isinstance(value, hint) and
@@ -177,9 +180,7 @@ def model_section(preset: str, **overrides) -> Any:
   section = ml_collections.ConfigDict({"preset": preset})
   hints = typing.get_type_hints(ModelConfig)
   for field in dataclasses.fields(ModelConfig):
-    hint = hints[field.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-      hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
+    hint, _ = _unwrap_optional(hints[field.name])
     if hint in (int, float, str, bool):
       section[field.name] = ml_collections.FieldReference(overrides.pop(field.name, None),
                                                           field_type=hint)
@@ -198,9 +199,8 @@ def default_config(phase: str, preset: str) -> Any:
     section = ml_collections.ConfigDict()
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-      hint = hints[field.name]
-      if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional: typed slot
-        inner = [a for a in typing.get_args(hint) if a is not type(None)][0]
+      inner, optional = _unwrap_optional(hints[field.name])
+      if optional:  # a typed slot, so None can be overridden from the command line
         section[field.name] = ml_collections.FieldReference(field.default, field_type=inner)
       else:
         section[field.name] = field.default
