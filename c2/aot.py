@@ -4,9 +4,10 @@
 
 Builds the abstract train state and batch with their shardings on a compile-only TPU mesh (libtpu,
 no TPU needed), lowers and compiles the phase's real step, and prints per-device HBM (arguments,
-temporaries, outputs, total vs the chip's capacity), compiled FLOPs and their ratio to the
-analytic useful FLOPs (6 x active params x tokens plus attention), and the count of each
-collective. Exits 1 when the program does not fit. The topology defaults to the experiment's
+temporaries, outputs, total vs the chip's capacity), compiled matmul FLOPs (c2.hlo_flops: every
+dot, convolution and Mosaic kernel of the optimized HLO, loops times their trip counts) and their
+ratio to the analytic useful FLOPs (6 x active params x tokens plus attention), and the count of
+each collective. Exits 1 when the program does not fit. The topology defaults to the experiment's
 `aot.topology`. The phase's step comes from `c2.steps.STEPS`, like the trainer's.
 """
 from __future__ import annotations
@@ -22,12 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from c2 import flops, hardware
+from c2 import flops, hardware, hlo_flops
 from c2 import mesh as meshlib
 from c2 import state as state_lib
 from c2 import train
 from c2.config import ExperimentConfig
 from c2.data import loader
+from c2.ops import splash_attention  # noqa: F401  registers the splash kernels' FLOP rule
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute")
@@ -46,8 +48,12 @@ class AotReport:
   temp_bytes: int
   code_bytes: int
   hbm_bytes: int
-  compiled_flops: float  # per device
+  compiled_flops: float  # per device: matmul FLOPs of the optimized HLO (c2.hlo_flops)
   useful_flops: float  # per device, analytic
+  flops_by_kind: dict  # "xla dot/convolution", "kernel <name>" -> per-device FLOPs
+  xla_cost_flops: float  # XLA's cost_analysis (counts each while body once; for reference)
+  unknown_trip_count_loops: list
+  uncounted_kernels: list
   collectives: dict
   compile_seconds: float
 
@@ -79,6 +85,13 @@ class AotReport:
         f"({self.total_bytes / self.hbm_bytes:.0%}) -> {'FITS' if self.fits else 'DOES NOT FIT'}",
         f"  FLOPs/device compiled {self.compiled_flops:.3e}  useful {self.useful_flops:.3e}  "
         f"ratio {self.flop_ratio:.3f}",
+        *(f"    {kind:44s} {value:.3e}  ({value / self.compiled_flops:.1%})"
+          for kind, value in sorted(self.flops_by_kind.items(), key=lambda kv: -kv[1])),
+        f"    (XLA cost_analysis, while bodies counted once: {self.xla_cost_flops:.3e})",
+        *([f"  WARNING loops of unknown trip count, counted once: "
+           f"{self.unknown_trip_count_loops}"] if self.unknown_trip_count_loops else []),
+        *([f"  WARNING kernels with no FLOP count: {self.uncounted_kernels}"]
+          if self.uncounted_kernels else []),
         "  collectives  " + ", ".join(f"{k} {v}" for k, v in self.collectives.items()),
         f"  compile time {self.compile_seconds:.1f} s",
     ]
@@ -112,6 +125,12 @@ def count_collectives(hlo_text: str) -> dict:
 
 
 def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> AotReport:
+  compiled, devices, mesh, elapsed = lower_and_compile(exp, topology, num_slices)
+  return report_of(compiled, exp, topology, num_slices, devices, mesh, elapsed)
+
+
+def lower_and_compile(exp: ExperimentConfig, topology: str, num_slices: int = 1):
+  """The phase's train step compiled for `topology`: (compiled, devices, mesh, seconds)."""
   devices = topology_devices(topology, num_slices)
   if devices[0].platform != "tpu":
     raise RuntimeError("topology devices are not TPU devices: is libtpu installed? "
@@ -138,10 +157,16 @@ def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> A
   # Production precision: Mosaic kernels (ragged_dot, splash) reject HIGHEST on bf16 operands.
   with jax.set_mesh(mesh), _pallas_target(generation), jax.default_matmul_precision("default"):
     compiled = step.lower(state_in, batch_in).compile()
-  elapsed = time.time() - start
+  return compiled, devices, mesh, time.time() - start
+
+
+def report_of(compiled, exp: ExperimentConfig, topology: str, num_slices: int, devices: list,
+              mesh, elapsed: float) -> AotReport:
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hlo_text = compiled.as_text()
+  matmul = hlo_flops.count_flops(hlo_text)
   tokens = exp.data.global_batch_size * exp.data.seq_len
   useful = flops.train_flops_per_token(exp.model, exp.data.seq_len) * tokens / len(devices)
   chip = hardware.chip_of_topology(topology)
@@ -150,8 +175,10 @@ def compile_step(exp: ExperimentConfig, topology: str, num_slices: int = 1) -> A
       mesh=dict(mesh.shape), argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
-      hbm_bytes=chip.hbm_bytes, compiled_flops=float(cost.get("flops", 0.0)),
-      useful_flops=useful, collectives=count_collectives(compiled.as_text()),
+      hbm_bytes=chip.hbm_bytes, compiled_flops=matmul.total, useful_flops=useful,
+      flops_by_kind=matmul.by_kind, xla_cost_flops=float(cost.get("flops", 0.0)),
+      unknown_trip_count_loops=matmul.unknown_trip_count_loops,
+      uncounted_kernels=matmul.uncounted_kernels, collectives=count_collectives(hlo_text),
       compile_seconds=elapsed)
 
 

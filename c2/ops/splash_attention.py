@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Optional
 
 import jax
@@ -35,7 +36,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-from c2 import hardware
+from c2 import hardware, hlo_flops
 from c2.sharding import logical_to_spec
 
 LANES = 128
@@ -174,3 +175,45 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
   with jax.named_scope("splash_attention"):
     return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0], None)), out_specs=spec,
                          check_vma=False)(q, k, v, segment_ids)
+
+
+def causal_block_fraction(seq_len: int, block_q: int, block_kv: int) -> float:
+  """Fraction of the [T, T] score matrix the kernel computes under a causal mask: every
+  (q-block, kv-block) pair holding at least one unmasked entry is computed whole."""
+  q_blocks, kv_blocks = -(-seq_len // block_q), -(-seq_len // block_kv)
+  computed = sum(min(kv_blocks, ((i + 1) * block_q - 1) // block_kv + 1) for i in range(q_blocks))
+  return computed * block_q * block_kv / (q_blocks * block_q * kv_blocks * block_kv)
+
+
+# Matmuls per kernel over the score matrix, in units of (q.k contraction K, p.v contraction J):
+# forward s = q k^T, o = p v; dq recomputes s, dp = do v^T, dq = ds k; dkv recomputes s,
+# dv = p^T do, dp = do v^T, dk = ds^T q.
+_SPLASH_MATMULS = {"splash_mha_fwd": (1, 1, ""), "splash_mha_dq": (2, 1, "_dq"),
+                   "splash_mha_dkv": (2, 2, "_dkv")}
+
+
+def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str) -> float:
+  """FLOPs of one splash kernel call in compiled HLO (jax's splash declares no cost estimate).
+
+  q, k, v are the first three float operands, [..., T, D] with the batch/head dims leading; the
+  causal block fraction uses the kernel's block sizes from its xprof metadata when present.
+  """
+  qk_units, pv_units, suffix = next(v for k, v in _SPLASH_MATMULS.items() if kernel.startswith(k))
+  q, k, v = [dims for dtype, dims in operand_shapes if dtype.startswith(("bf16", "f32", "f16"))
+             and len(dims) >= 3][:3]
+  seq_q, seq_kv = q[-2], k[-2]
+
+  def block(name: str, default: int) -> int:
+    found = re.search(rf'\\"{name}{suffix}\\": (\d+)', attrs)
+    return int(found.group(1)) if found else default
+
+  default = block_sizes(seq_q)
+  fraction = causal_block_fraction(seq_kv, block("block_q", default.block_q),
+                                   block("block_kv", default.block_kv))
+  pairs = math.prod(q[:-1]) * seq_kv * fraction  # (query, key) score entries computed
+  return 2.0 * pairs * (qk_units * q[-1] + pv_units * v[-1])
+
+
+hlo_flops.register_kernel_rule(
+    "splash_mha_", lambda kernel, operands, results, attrs: splash_kernel_flops(kernel, operands,
+                                                                                attrs))
