@@ -8,19 +8,11 @@ Conventions (the data pipeline packs documents into rows):
   loss_mask   [B,T] float 1 where the token *at* position t is a valid target (0 on prompts,
                           padding, tool output, ...). It marks targets, not inputs.
 
-Every loss returns *sums* plus the weight sum rather than means: a step with gradient
-accumulation or several data shards then divides once by the global weight sum, so the mean is
-exact however the tokens were split. The output projection is folded into the loss (the caller
-passes the final hidden states and the head kernel) because the [N,V] float32 logits of a
-256k-token row with V=163840 would be ~170 GB; here only one chunk of logits is ever live, in the
-forward and in the backward pass.
-
-The MoE router terms (DeepSeek-V3 aux-loss-free bias update, sequence-wise balance loss, load
-statistics) sit at the end. RL objectives (policy-gradient terms over per-token log-probs) will
-join this module as further functions over the same chunked head.
+Here: next-token targets and the shifts that align MTP depths, and the MoE router terms
+(DeepSeek-V3 aux-loss-free bias update, sequence-wise balance loss, load statistics). The output
+head's losses (CE, z-loss, MTP self-distillation), chunked over tokens with the gradients
+computed in the same pass, are in c2/head_loss.py.
 """
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -65,139 +57,6 @@ def next_token_targets(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax
   same_document = (shift_left(segment_ids, offset) == segment_ids) & (segment_ids != 0)
   weights = shift_left(loss_mask.astype(jnp.float32), offset) * same_document
   return jnp.where(weights > 0, targets, 0), weights
-
-
-def _scan_over_token_chunks(chunk_fn: Callable[..., dict], inputs: tuple[jax.Array, ...],
-                            consts: tuple[jax.Array, ...], chunk_size: int) -> dict:
-  """Sums chunk_fn(*chunk_of_inputs, *consts) -> dict of scalars over chunks of the N axis.
-
-  Padding rows (when N is not a multiple of chunk_size) are zeros, so every input whose zero
-  value must not count (weights) has to be among `inputs`.
-
-  The chunks are *strided*: chunk j holds tokens j, j + C, j + 2C, ... (C = number of chunks).
-  When N is sharded over data-parallel devices in contiguous blocks, the reshape [N] ->
-  [chunk_size, C] keeps that sharding on the first axis, so every scan step works on
-  chunk_size / num_devices local tokens per device instead of one device doing the whole chunk
-  while the others wait (what contiguous chunks would do). Sums do not care about the order.
-  Keep chunk_size a multiple of the data-parallel device count for this to hold.
-
-  jax.checkpoint makes the backward pass recompute each chunk's logits instead of saving them,
-  so both passes hold one [chunk_size, V] float32 block at a time.
-  """
-  num_tokens = inputs[0].shape[0]
-  chunk_size = max(1, min(chunk_size, num_tokens))
-  num_chunks = -(-num_tokens // chunk_size)
-  padded = num_chunks * chunk_size
-
-  def to_chunks(x):
-    x = jnp.pad(x, [(0, padded - num_tokens)] + [(0, 0)] * (x.ndim - 1))
-    x = x.reshape((chunk_size, num_chunks) + x.shape[1:])  # [chunk, C, ...]
-    return jnp.swapaxes(x, 0, 1)  # [C, chunk, ...]
-
-  chunked = tuple(to_chunks(x) for x in inputs)
-  step = jax.checkpoint(chunk_fn)
-
-  def body(totals, chunk):
-    stats = step(*chunk, *consts)
-    return jax.tree.map(jnp.add, totals, stats), None
-
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                       jax.eval_shape(step, *(c[0] for c in chunked), *consts))
-  totals, _ = jax.lax.scan(body, zeros, chunked)
-  return totals
-
-
-def _logits(hidden: jax.Array, head_kernel: jax.Array) -> jax.Array:
-  """[n,D] x [D,V] -> [n,V] float32 logits; bf16 operands accumulate in float32."""
-  return jnp.einsum("ND,DV->NV", hidden, head_kernel, preferred_element_type=jnp.float32)
-
-
-def _pick(logits: jax.Array, index: jax.Array) -> jax.Array:
-  """logits[n, index[n]] via a one-hot compare, not a gather: stays local when V is sharded."""
-  vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-  return jnp.sum(jnp.where(vocab_ids == index[:, None], logits, 0.0), axis=-1)
-
-
-def chunked_softmax_xent(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array,
-                         weights: jax.Array, *, chunk_size: int,
-                         z_loss_weight: float = 0.0) -> dict[str, jax.Array]:
-  """Weighted softmax cross-entropy of the output head without materialising [N,V] logits.
-
-  Args:
-    hidden: [N,D] final (normed) hidden states, any float dtype.
-    head_kernel: [D,V] output projection (pass lax.stop_gradient(kernel) to freeze it).
-    targets: [N] int target ids.
-    weights: [N] float per-token weights (0 = ignore).
-    chunk_size: tokens per scan step (global, across data-parallel devices).
-    z_loss_weight: coefficient of the PaLM z-loss, weight * logsumexp(logits)^2, which keeps the
-      softmax normaliser near 1 so bf16 logits stay well conditioned.
-
-  Returns:
-    dict of float32 scalars: loss_sum = sum w * (lse - logit[target]);
-    z_loss_sum = z_loss_weight * sum w * lse^2 (already weighted: add it to loss_sum);
-    correct_sum = sum w * [argmax == target]; weight_sum = sum w.
-  """
-  def chunk_stats(h, t, w, kernel):
-    logits = _logits(h, kernel)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
-    return {
-        "loss_sum": jnp.sum(w * (lse - _pick(logits, t))),
-        "z_loss_sum": z_loss_weight * jnp.sum(w * jnp.square(lse)),
-        "correct_sum": jax.lax.stop_gradient(jnp.sum(w * correct)),
-        "weight_sum": jax.lax.stop_gradient(jnp.sum(w)),
-    }
-
-  inputs = (hidden, targets.astype(jnp.int32), weights.astype(jnp.float32))
-  return _scan_over_token_chunks(chunk_stats, inputs, (head_kernel,), chunk_size)
-
-
-def chunked_distill_kl(student_hidden: jax.Array, teacher_hidden: jax.Array,
-                       head_kernel: jax.Array, weights: jax.Array, *,
-                       chunk_size: int) -> dict[str, jax.Array]:
-  """MTP self-distillation: KL(teacher || student) through the shared output head, chunked.
-
-  Composer 2 trains its MTP layers to reproduce the main head's logit distribution at the
-  position that predicts the same token. With MTP depth k's hidden state at position t
-  (predicting token t+1+k), the teacher is the main trunk's hidden state at position t+k:
-  teacher_hidden = shift_left(main_hidden, k), weights from next_token_targets(offset=1+k).
-
-  The teacher side is wrapped in stop_gradient (hidden and kernel), so only the student path
-  gets gradient; to keep the shared head out of the distillation gradient as well, pass
-  lax.stop_gradient(head_kernel).
-
-  Args:
-    student_hidden: [N,D] MTP hidden states (final-normed).
-    teacher_hidden: [N,D] main-trunk hidden states aligned to the same target token.
-    head_kernel: [D,V] shared output projection.
-    weights: [N] float per-token weights.
-    chunk_size: tokens per scan step.
-
-  Returns:
-    dict of float32 scalars: kl_sum = sum w * sum_v p_t (log p_t - log p_s);
-    top1_agree_sum = sum w * [argmax p_s == argmax p_t];
-    accept_sum = sum w * sum_v min(p_t, p_s), the expected acceptance rate of one drafted token
-    under speculative sampling (1 - total variation), the number serving cares about;
-    weight_sum = sum w.
-  """
-  def chunk_stats(h_student, h_teacher, w, kernel):
-    teacher_logits = _logits(jax.lax.stop_gradient(h_teacher), jax.lax.stop_gradient(kernel))
-    student_logits = _logits(h_student, kernel)
-    log_p_teacher = jax.nn.log_softmax(teacher_logits, axis=-1)
-    log_p_student = jax.nn.log_softmax(student_logits, axis=-1)
-    p_teacher = jnp.exp(log_p_teacher)
-    kl = jnp.sum(p_teacher * (log_p_teacher - log_p_student), axis=-1)
-    agree = jnp.argmax(student_logits, -1) == jnp.argmax(teacher_logits, -1)
-    accept = jnp.sum(jnp.minimum(p_teacher, jnp.exp(log_p_student)), axis=-1)
-    return {
-        "kl_sum": jnp.sum(w * kl),
-        "top1_agree_sum": jax.lax.stop_gradient(jnp.sum(w * agree.astype(jnp.float32))),
-        "accept_sum": jax.lax.stop_gradient(jnp.sum(w * accept)),
-        "weight_sum": jax.lax.stop_gradient(jnp.sum(w)),
-    }
-
-  inputs = (student_hidden, teacher_hidden, weights.astype(jnp.float32))
-  return _scan_over_token_chunks(chunk_stats, inputs, (head_kernel,), chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------

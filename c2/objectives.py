@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from c2 import losses
+from c2 import head_loss, losses
 from c2 import model as model_lib
 from c2.model_config import ModelConfig
 
@@ -51,42 +51,35 @@ def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
   out = model_lib.forward(cfg, params, tokens, segments, batch["positions"], forced_routes,
                           with_mtp=use_mtp, detach_mtp_inputs=detach)
   head = model_lib.head_kernel(cfg, params)
-  mtp_head = jax.lax.stop_gradient(head) if detach else head
   targets, target_w = losses.next_token_targets(tokens, segments, mask, offset=1)
-  ce = losses.chunked_softmax_xent(_flat(out["hidden"]), head, _flat(targets), _flat(target_w),
-                                   chunk_size=weights.ce_chunk_size,
-                                   z_loss_weight=weights.z_loss_weight)
-  loss = _safe_div(ce["loss_sum"] + ce["z_loss_sum"], ce["weight_sum"])
-  metrics = {"ce": _safe_div(ce["loss_sum"], ce["weight_sum"]),
-             "z_loss": _safe_div(ce["z_loss_sum"], ce["weight_sum"]),
-             "accuracy": _safe_div(ce["correct_sum"], ce["weight_sum"]),
-             "tokens": ce["weight_sum"]}
-
+  mtp_hidden = mtp_w = None
   if use_mtp:
-    mtp_total = 0.0
-    for k in range(1, cfg.mtp_depth + 1):
-      student = out["mtp_hidden"][k - 1]
-      mtp_targets, mtp_w = losses.next_token_targets(tokens, segments, mask, offset=1 + k)
-      depth_loss = 0.0
-      if "distill" in weights.mtp_loss:
-        teacher = losses.shift_left(out["hidden"], k)
-        kl = losses.chunked_distill_kl(_flat(student), _flat(teacher),
-                                       jax.lax.stop_gradient(head), _flat(mtp_w),
-                                       chunk_size=weights.ce_chunk_size)
-        depth_loss += _safe_div(kl["kl_sum"], kl["weight_sum"])
-        metrics[f"mtp/{k}/kl"] = _safe_div(kl["kl_sum"], kl["weight_sum"])
-        metrics[f"mtp/{k}/top1_agreement"] = _safe_div(kl["top1_agree_sum"], kl["weight_sum"])
-        metrics[f"mtp/{k}/acceptance"] = _safe_div(kl["accept_sum"], kl["weight_sum"])
-      mtp_ce = losses.chunked_softmax_xent(_flat(student), mtp_head, _flat(mtp_targets),
-                                           _flat(mtp_w),
-                                           chunk_size=weights.ce_chunk_size)
-      mtp_ce_mean = _safe_div(mtp_ce["loss_sum"], mtp_ce["weight_sum"])
-      metrics[f"mtp/{k}/ce"] = mtp_ce_mean  # logged in every mode: comparable across runs
-      if "ce" in weights.mtp_loss.split("+"):
-        depth_loss += mtp_ce_mean
-      metrics[f"mtp/{k}/loss"] = depth_loss
-      mtp_total += depth_loss
-    loss = loss + weights.mtp_weight * mtp_total / cfg.mtp_depth
+    # Depth k's state at position t predicts token t+1+k: align it with the main position t+k
+    # so the fused head pass sees student, teacher and target of a token together.
+    aligned = [head_loss.align_mtp(out["mtp_hidden"][k - 1], losses.next_token_targets(
+        tokens, segments, mask, offset=1 + k)[1], k) for k in range(1, cfg.mtp_depth + 1)]
+    mtp_hidden = jnp.stack([_flat(h) for h, _ in aligned], axis=1)  # [N, M, D]
+    mtp_w = jnp.stack([_flat(w) for _, w in aligned], axis=1)  # [N, M]
+  spec = head_loss.HeadLossSpec(
+      chunk_size=weights.ce_chunk_size, z_loss_weight=weights.z_loss_weight,
+      mtp_weight=weights.mtp_weight if use_mtp else 0.0,
+      mtp_distill="distill" in weights.mtp_loss, mtp_ce="ce" in weights.mtp_loss.split("+"),
+      mtp_trains_head=not detach)
+  loss, sums = head_loss.head_loss(spec, _flat(out["hidden"]), head, _flat(targets),
+                                   _flat(target_w), mtp_hidden, mtp_w)
+  metrics = {"ce": _safe_div(sums["ce_sum"], sums["weight_sum"]),
+             "z_loss": _safe_div(sums["z_loss_sum"], sums["weight_sum"]),
+             "accuracy": _safe_div(sums["correct_sum"], sums["weight_sum"]),
+             "tokens": sums["weight_sum"]}
+  for k in range(1, cfg.mtp_depth + 1 if use_mtp else 1):
+    per_depth = {name: _safe_div(sums[f"mtp_{name}_sum"][k - 1], sums["mtp_weight_sum"][k - 1])
+                 for name in ("kl", "top1_agree", "accept", "ce")}
+    metrics[f"mtp/{k}/ce"] = per_depth["ce"]  # logged in every mode: comparable across runs
+    if spec.mtp_distill:
+      metrics[f"mtp/{k}/kl"] = per_depth["kl"]
+      metrics[f"mtp/{k}/top1_agreement"] = per_depth["top1_agree"]
+      metrics[f"mtp/{k}/acceptance"] = per_depth["accept"]
+    metrics[f"mtp/{k}/loss"] = spec.mtp_distill * per_depth["kl"] + spec.mtp_ce * per_depth["ce"]
 
   aux = {"metrics": metrics}
   if cfg.num_moe_layers:
