@@ -51,6 +51,7 @@ class AotReport:
   compiled_flops: float  # per device: matmul FLOPs of the optimized HLO (c2.hlo_flops)
   useful_flops: float  # per device, analytic
   flops_by_kind: dict  # "xla dot/convolution", "kernel <name>" -> per-device FLOPs
+  flops_by_op: dict  # jax op name (named scopes, transpose(...) = backward) -> per-device FLOPs
   xla_cost_flops: float  # XLA's cost_analysis (counts each while body once; for reference)
   unknown_trip_count_loops: list
   uncounted_kernels: list
@@ -176,7 +177,7 @@ def report_of(compiled, exp: ExperimentConfig, topology: str, num_slices: int, d
       output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
       hbm_bytes=chip.hbm_bytes, compiled_flops=matmul.total, useful_flops=useful,
-      flops_by_kind=matmul.by_kind, xla_cost_flops=float(cost.get("flops", 0.0)),
+      flops_by_kind=matmul.by_kind, flops_by_op=matmul.by_op_name, xla_cost_flops=float(cost.get("flops", 0.0)),
       unknown_trip_count_loops=matmul.unknown_trip_count_loops,
       uncounted_kernels=matmul.uncounted_kernels, collectives=count_collectives(hlo_text),
       compile_seconds=elapsed)

@@ -30,6 +30,14 @@ from pallas_kernels import operands, quant
 from pallas_kernels.metadata import GroupMetadata
 
 
+def mxu_rows(rows: int | None, padded_rows: int, tm: int, num_groups: int) -> int:
+  """Rows the MXU multiplies, for the cost estimate: the rows in groups (`rows`, default all),
+  plus one extra tile visit per group boundary (a tile shared by two groups is computed for
+  each); bounded by the grid's item count (m tiles + G - 1)."""
+  in_groups = padded_rows if rows is None else min(rows, padded_rows)
+  return min(-(-in_groups // tm) * tm + (num_groups - 1) * tm, padded_rows + (num_groups - 1) * tm)
+
+
 def _split_refs(refs, lhs: operands.KernelOperand, rhs: operands.KernelOperand):
   """Kernel refs arrive flat, None operands skipped; regroup them as (lhs, rhs, rest)."""
   refs = list(refs)
@@ -50,7 +58,7 @@ def _compiler_params(vmem_limit_bytes: int, semantics):
 def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
              rhs: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
              out_shape: tuple[int, int], out_dtype, mxu_dtype, packed: bool, interpret: bool,
-             vmem_limit_bytes: int) -> jax.Array:
+             vmem_limit_bytes: int, cost_rows: int | None = None) -> jax.Array:
   """lhs [Mp, Kp] x rhs [G, Kp, Np] -> out [Mp, Np] (padded dims are tile multiples)."""
   tm, tk, tn = tiles
   mp, np_ = out_shape
@@ -119,7 +127,7 @@ def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOper
   lhs_tile_bytes = sum(a.size * a.dtype.itemsize for a in _flat(lhs)) * tm // mp
   rhs_group_bytes = sum(a.size * a.dtype.itemsize for a in _flat(rhs)) // rhs.values.shape[0]
   cost = pl.CostEstimate(
-      flops=2 * mp * kp * np_, transcendentals=0,
+      flops=2 * mxu_rows(cost_rows, mp, tm, rhs.values.shape[0]) * kp * np_, transcendentals=0,
       bytes_accessed=int(max_items * (lhs_tile_bytes * tiles_n + rhs_group_bytes)
                          + mp * np_ * jnp.dtype(out_dtype).itemsize))
   call = pl.pallas_call(
@@ -144,7 +152,7 @@ def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOper
 def tgmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
               grad: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
               num_groups: int, out_dtype, mxu_dtype, packed: bool, interpret: bool,
-              vmem_limit_bytes: int) -> jax.Array:
+              vmem_limit_bytes: int, cost_rows: int | None = None) -> jax.Array:
   """lhs [Mp, Kp]^T x grad [Mp, Np] per group -> out [G, Kp, Np]."""
   tm, tk, tn = tiles
   kp, np_ = lhs.values.shape[1], grad.values.shape[1]
@@ -207,7 +215,7 @@ def tgmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOpe
   l_tile = sum(a.size * a.dtype.itemsize for a in _flat(lhs)) * tm // mp
   g_tile = sum(a.size * a.dtype.itemsize for a in _flat(grad)) * tm // mp
   cost = pl.CostEstimate(
-      flops=2 * mp * kp * np_, transcendentals=0,
+      flops=2 * mxu_rows(cost_rows, mp, tm, num_groups) * kp * np_, transcendentals=0,
       bytes_accessed=int(max_items * (l_tile * tiles_n + g_tile * tiles_k)
                          + num_groups * kp * np_ * jnp.dtype(out_dtype).itemsize))
   call = pl.pallas_call(

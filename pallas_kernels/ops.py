@@ -46,7 +46,8 @@ def _check(lhs, other, group_sizes, *, rhs_ndim: int, contract: tuple[int, int])
   return group_sizes.astype(jnp.int32)
 
 
-def _gmm_impl(lhs, rhs, group_sizes, fmt_name: str, out_dtype, gen: tuning.Generation):
+def _gmm_impl(lhs, rhs, group_sizes, fmt_name: str, out_dtype, gen: tuning.Generation,
+              expected_rows: int | None = None):
   """Forward grouped matmul, no VJP. lhs [M,K], rhs [G,K,N] -> [M,N] out_dtype."""
   fmt = quant.get_format(fmt_name)
   (m, k), (g, _, n) = lhs.shape, rhs.shape
@@ -63,11 +64,12 @@ def _gmm_impl(lhs, rhs, group_sizes, fmt_name: str, out_dtype, gen: tuning.Gener
       meta, num_items, lq, rq, fmt=fmt, tiles=(tm, tk, tn),
       out_shape=(mp, np_), out_dtype=jnp.dtype(out_dtype),
       mxu_dtype=tuning.mxu_dtype(gen, fmt.name), packed=packed, interpret=gen.interpret,
-      vmem_limit_bytes=gen.vmem_limit_bytes)
+      vmem_limit_bytes=gen.vmem_limit_bytes, cost_rows=expected_rows)
   return out[:m, :n]
 
 
-def _tgmm_impl(lhs, grad, group_sizes, fmt_name: str, out_dtype, gen: tuning.Generation):
+def _tgmm_impl(lhs, grad, group_sizes, fmt_name: str, out_dtype, gen: tuning.Generation,
+               expected_rows: int | None = None):
   """Transposed grouped matmul. lhs [M,K], grad [M,N] -> [G,K,N] out_dtype."""
   fmt = quant.get_format(fmt_name)
   (m, k), n, g = lhs.shape, grad.shape[1], group_sizes.shape[0]
@@ -82,26 +84,28 @@ def _tgmm_impl(lhs, grad, group_sizes, fmt_name: str, out_dtype, gen: tuning.Gen
   out = gmm_kernel.tgmm_call(
       meta, num_items, lq, gq, fmt=fmt, tiles=(tm, tk, tn), num_groups=g,
       out_dtype=jnp.dtype(out_dtype), mxu_dtype=tuning.mxu_dtype(gen, fmt.name), packed=packed,
-      interpret=gen.interpret, vmem_limit_bytes=gen.vmem_limit_bytes)
+      interpret=gen.interpret, vmem_limit_bytes=gen.vmem_limit_bytes, cost_rows=expected_rows)
   return out[:, :k, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, gen):
-  return _gmm_impl(lhs, rhs, group_sizes, fmt, out_dtype, gen)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gmm(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, gen, expected_rows):
+  return _gmm_impl(lhs, rhs, group_sizes, fmt, out_dtype, gen, expected_rows)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, gen):
+def _gmm_fwd(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, gen, expected_rows):
   # Residuals are the unquantised inputs: the backward re-quantises along other axes.
-  return _gmm_impl(lhs, rhs, group_sizes, fmt, out_dtype, gen), (lhs, rhs, group_sizes)
+  return (_gmm_impl(lhs, rhs, group_sizes, fmt, out_dtype, gen, expected_rows),
+          (lhs, rhs, group_sizes))
 
 
-def _gmm_bwd(fmt, bwd_fmt, out_dtype, gen, residuals, grad):
+def _gmm_bwd(fmt, bwd_fmt, out_dtype, gen, expected_rows, residuals, grad):
   lhs, rhs, group_sizes = residuals
   with jax.named_scope("gmm_dlhs"):
-    d_lhs = _gmm_impl(grad, jnp.swapaxes(rhs, 1, 2), group_sizes, bwd_fmt, lhs.dtype, gen)
+    d_lhs = _gmm_impl(grad, jnp.swapaxes(rhs, 1, 2), group_sizes, bwd_fmt, lhs.dtype, gen,
+                      expected_rows)
   with jax.named_scope("gmm_drhs"):
-    d_rhs = _tgmm_impl(lhs, grad, group_sizes, bwd_fmt, rhs.dtype, gen)
+    d_rhs = _tgmm_impl(lhs, grad, group_sizes, bwd_fmt, rhs.dtype, gen, expected_rows)
   return d_lhs, d_rhs, None
 
 
@@ -110,32 +114,38 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, fmt: str = "bf16",
         bwd_fmt: str | None = None, preferred_element_type=None,
-        target: str | tuning.Generation | None = None) -> jax.Array:
+        target: str | tuning.Generation | None = None,
+        expected_rows: int | None = None) -> jax.Array:
   """Grouped matmul lhs [M,K] x rhs [G,K,N] -> [M,N], differentiable in lhs and rhs.
 
   group_sizes: int [G], sum <= M; rows of lhs are contiguous by group. fmt: forward format;
   bwd_fmt: format of both backward matmuls (default fmt). Output dtype is lhs.dtype unless
   preferred_element_type is given; accumulation is float32. target: TPU generation to compile
   for ("v5e", "v5p", "v6e", "tpu7x", or "cpu" for interpret mode); default: tuning.use_target's,
-  else the default backend's (interpret mode on any non-TPU backend).
+  else the default backend's (interpret mode on any non-TPU backend). expected_rows: rows expected
+  in groups (default M), for the kernels' cost estimates only: the grid skips rows in no group.
   """
   group_sizes = _check(lhs, rhs, group_sizes, rhs_ndim=3, contract=(1, 1))
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   fmt = quant.get_format(fmt).name
   bwd_fmt = quant.get_format(bwd_fmt or fmt).name
   with jax.named_scope(f"gmm_{fmt}"):
-    return _gmm(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, tuning.get_generation(target))
+    return _gmm(lhs, rhs, group_sizes, fmt, bwd_fmt, out_dtype, tuning.get_generation(target),
+                expected_rows)
 
 
 def tgmm(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, fmt: str = "bf16",
-         preferred_element_type=None, target: str | tuning.Generation | None = None) -> jax.Array:
+         preferred_element_type=None, target: str | tuning.Generation | None = None,
+         expected_rows: int | None = None) -> jax.Array:
   """Transposed grouped matmul lhs [M,K]^T x grad [M,N] per group -> [G,K,N] (weight gradient).
 
   Both inputs are quantised along M (the contraction). Output dtype is lhs.dtype unless
-  preferred_element_type is given. Not differentiable (it is itself a gradient).
+  preferred_element_type is given. Not differentiable (it is itself a gradient). expected_rows:
+  as for gmm.
   """
   group_sizes = _check(lhs, grad, group_sizes, rhs_ndim=2, contract=(0, 0))
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   fmt = quant.get_format(fmt).name
   with jax.named_scope(f"tgmm_{fmt}"):
-    return _tgmm_impl(lhs, grad, group_sizes, fmt, out_dtype, tuning.get_generation(target))
+    return _tgmm_impl(lhs, grad, group_sizes, fmt, out_dtype, tuning.get_generation(target),
+                      expected_rows)

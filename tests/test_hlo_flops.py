@@ -106,7 +106,10 @@ def test_pallas_kernels_count_their_cost_estimate(tpu_sharding):
     compiled = _compile(fn, ((M, K), jnp.bfloat16), ((G, K, N), jnp.bfloat16),
                         ((G,), jnp.int32), sharding=tpu_sharding)
   count = hlo_flops.count_flops(compiled.as_text())
-  assert count.by_kind == {"kernel gmm_bf16": 2 * M * K * N}
+  tm = pallas_kernels.tuning.select_tiles("gmm", pallas_kernels.tuning.get_generation("v5p"),
+                                          M, K, N, G, "bf16", 2)[0]
+  # every row, plus one tile revisit per group boundary (the kernel computes a shared tile twice)
+  assert count.by_kind == {"kernel gmm_bf16": 2 * (M + (G - 1) * tm) * K * N}
 
 
 def test_unknown_trip_count_is_reported(tpu_sharding):
@@ -163,3 +166,11 @@ def test_splash_kernel_rule_counts_each_matmul():
   dkv = splash_attention.splash_kernel_flops("splash_mha_dkv_segmented", operands, "")
   assert fwd == 2 * pairs * (256 + 128)  # default blocks at T=1024 are 512: 3/4 computed
   assert dkv == 2 * pairs * (2 * 256 + 2 * 128)
+
+
+def test_gmm_cost_rows_count_expected_rows_and_boundary_tiles():
+  from pallas_kernels.gmm_kernel import mxu_rows  # pylint: disable=import-outside-toplevel
+  assert mxu_rows(None, 4096, 512, 1) == 4096
+  assert mxu_rows(None, 4096, 512, 16) == 4096 + 15 * 512  # the grid's bound
+  assert mxu_rows(2000, 4096, 512, 16) == 2048 + 15 * 512  # a capacity buffer, partly filled
+  assert mxu_rows(9999, 4096, 512, 4) == 4096 + 3 * 512

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from c2.model_config import ModelConfig
+from c2.nn import dispatch
 from c2.nn.attention import MLAttention
 from c2.nn.layers import GatedFFN, RMSNorm
+from c2.ops import splash_attention
 from c2.nn.moe import MoE
 
 
@@ -52,9 +54,18 @@ class DecoderBlock(nn.Module):
 
 
 def remat_policy(name: str):
+  """full: recompute the whole block in the backward pass (least memory, ~1/3 more FLOPs).
+  save_dots: keep every matmul output, plus the Pallas kernels' outputs (expert matmuls, the
+  splash kernel's residuals) and the dispatched expert rows, by checkpoint name: a Pallas call is
+  no dot to jax's policy, and without the names the backward would rerun the expert matmuls, the
+  attention kernel and the all-to-all."""
+  policies = jax.checkpoint_policies
   return {
-      "full": jax.checkpoint_policies.nothing_saveable,
-      "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+      "full": policies.nothing_saveable,
+      "save_dots": policies.save_from_both_policies(
+          policies.dots_with_no_batch_dims_saveable,
+          policies.save_only_these_names(dispatch.DISPATCHED_ROWS, dispatch.EXPERT_MATMUL,
+                                         splash_attention.KERNEL_RESIDUALS)),
   }[name]
 
 

@@ -26,15 +26,27 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# gmm(lhs [M, K], rhs [G, K, N], group_sizes [G], expected_rows=None) -> [M, N]; expected_rows
+# is how many of the M rows a balanced routing fills (a cost hint for kernels, see c2/ops/gmm.py).
+GroupedMatmul = Callable[..., jax.Array]
+
+# Names a remat policy can save (c2/nn/block.py): the dispatched rows (saving them spares the
+# backward pass a second all-to-all) and the expert matmul outputs (the silu and combine-weight
+# backward need them; a Pallas kernel is no dot to jax's dots policies).
+DISPATCHED_ROWS, EXPERT_MATMUL = "moe_dispatched_rows", "moe_expert_matmul"
 
 
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array, gmm: GroupedMatmul) -> jax.Array:
+               w_down: jax.Array, gmm: GroupedMatmul,
+               expected_rows: Optional[int] = None) -> jax.Array:
   """SwiGLU experts over rows grouped by expert. xs [M, D], w_gate/w_up [E, D, F], w_down [E, F, D]."""
-  h = jax.nn.silu(gmm(xs, w_gate, group_sizes)) * gmm(xs, w_up, group_sizes)  # [M, F]
-  return gmm(h, w_down, group_sizes)  # [M, D]
+  xs = checkpoint_name(xs, DISPATCHED_ROWS)
+  matmul = lambda lhs, rhs: checkpoint_name(
+      gmm(lhs, rhs, group_sizes, expected_rows=expected_rows), EXPERT_MATMUL)
+  h = jax.nn.silu(matmul(xs, w_gate)) * matmul(xs, w_up)  # [M, F]
+  return matmul(h, w_down)  # [M, D]
 
 
 def _combine(y_choices: jax.Array, weights: jax.Array) -> jax.Array:
@@ -91,12 +103,13 @@ def _sort_for_shards(x, expert_ids, experts_per_shard, num_shards):
   return order, sorted_ids % experts_per_shard, xs, dest, send_sizes
 
 
-def _run_local_experts(rows, local_ids, num_local_experts, w_gate, w_up, w_down, gmm):
+def _run_local_experts(rows, local_ids, num_local_experts, w_gate, w_up, w_down, gmm,
+                       expected_rows):
   """rows [R, D] in any order with local expert ids (num_local_experts = empty slot) -> [R, D]."""
   order = jnp.argsort(local_ids, stable=True)  # empty slots sort last; gmm zeroes them
   group_sizes = jnp.bincount(local_ids, length=num_local_experts + 1)[:num_local_experts]
   ys = expert_ffn(jnp.take(rows, order, axis=0), group_sizes.astype(jnp.int32),
-                  w_gate, w_up, w_down, gmm)
+                  w_gate, w_up, w_down, gmm, expected_rows)
   return jnp.zeros_like(ys).at[order].set(ys)
 
 
@@ -195,7 +208,9 @@ def expert_parallel_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
 
   def run_experts(rows, ids):
     ids = jnp.where(ids < 0, experts_per_shard, ids)
-    return _run_local_experts(rows, ids, experts_per_shard, w_gate, w_up, w_down, gmm)
+    # Balanced routing fills as many rows of the receive buffer as this shard sends.
+    return _run_local_experts(rows, ids, experts_per_shard, w_gate, w_up, w_down, gmm,
+                              expected_rows=xs.shape[0])
 
   if a2a_impl == "padded":
     ys, dropped = _padded_exchange(xs, local_ids, dest, send_sizes, num_shards, axis_name,

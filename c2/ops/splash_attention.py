@@ -32,6 +32,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
@@ -40,6 +41,7 @@ from c2 import hardware, hlo_flops
 from c2.sharding import logical_to_spec
 
 LANES = 128
+KERNEL_RESIDUALS = "attention_kernel_residuals"  # checkpoint name of the kernel's saved values
 HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple of this
 
 # Block sizes per TPU generation: rows (max_len, block_q, block_kv, block_kv_compute); the first
@@ -122,7 +124,11 @@ def _at_default_precision(fn):
 
   def call_fwd(q, k, v, segment_ids):
     with precision():
-      return jax.vjp(lambda q, k, v: fn(q, k, v, segment_ids), q, k, v)
+      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, segment_ids), q, k, v)
+    # Named so a remat policy can keep the kernel's output and residuals (c2/nn/block.py):
+    # otherwise the backward reruns the forward kernel to rebuild them.
+    name = lambda x: checkpoint_name(x, KERNEL_RESIDUALS)
+    return name(out), jax.tree.map(name, vjp)
 
   def call_bwd(vjp, d_out):
     with precision():
