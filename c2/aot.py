@@ -35,6 +35,10 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
                "collective-permute")
 
 
+class DoesNotFit(RuntimeError):
+  """XLA refused to compile: the program needs far more HBM than the chip has."""
+
+
 @dataclasses.dataclass
 class AotReport:
   phase: str
@@ -157,7 +161,15 @@ def lower_and_compile(exp: ExperimentConfig, topology: str, num_slices: int = 1)
   generation = topology.split(":")[0].lower()
   # Production precision: Mosaic kernels (ragged_dot, splash) reject HIGHEST on bf16 operands.
   with jax.set_mesh(mesh), _pallas_target(generation), jax.default_matmul_precision("default"):
-    compiled = step.lower(state_in, batch_in).compile()
+    lowered = step.lower(state_in, batch_in)
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      # Far over the chip's HBM, XLA gives up before producing a program to measure.
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise DoesNotFit(f"{exp.phase} on {topology} (mesh {dict(mesh.shape)}) does not fit: "
+                       f"{str(e).splitlines()[0]}") from None
   return compiled, devices, mesh, time.time() - start
 
 
@@ -197,8 +209,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
   def run(_):
     exp = config_lib.from_config_dict(config.value)
-    report = compile_step(exp, topology.value or exp.aot.topology,
-                          num_slices.value or exp.aot.num_slices)
+    try:
+      report = compile_step(exp, topology.value or exp.aot.topology,
+                            num_slices.value or exp.aot.num_slices)
+    except DoesNotFit as e:
+      print(f"DOES NOT FIT: {e}", flush=True)
+      result["code"] = 1
+      return
     print(report.format(), flush=True)
     result["code"] = 0 if report.fits else 1
 

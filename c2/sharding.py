@@ -8,6 +8,9 @@ Activations:
   length      positions in a sequence               -> context
   act_embed   model width of activations            -> (replicated)
   act_heads   attention heads of activations        -> tensor
+  kernel_heads  heads inside the attention kernel   -> tensor, context (the kernel needs whole
+              sequences, so the context axis splits heads there instead: an all-to-all swaps
+              sequence shards for head shards and back, Ulysses-style context parallelism)
   act_mlp     FFN hidden units of activations       -> tensor
   act_vocab   vocabulary logits                     -> tensor
 Parameters:
@@ -40,6 +43,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "length": ("context",),
     "act_embed": (),
     "act_heads": ("tensor",),
+    "kernel_heads": ("tensor", "context"),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
     "embed": ("fsdp", "expert", "context"),

@@ -87,3 +87,16 @@ def test_save_dots_keeps_pallas_kernel_outputs_for_the_backward():
                           for scope in ("gmm_bf16/gmm_bf16/", "/splash_mha_fwd")]
   assert min(recomputed["full"]) > 0
   assert recomputed["save_dots"] == [0, 0]
+
+
+def test_program_that_does_not_fit_exits_nonzero():
+  """Far over HBM (XLA refuses to compile) or just over (measured): exit 1, 'DOES NOT FIT'."""
+  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  run = subprocess.run(
+      [sys.executable, "-m", "c2.aot", "--config=experiments/pretrain.py:tiny",
+       "--topology=v5e:2x2", "--config.data.global_batch_size=256",
+       "--config.data.seq_len=8192", "--config.mesh.fsdp=-1", "--config.model.remat_policy=none"],
+      capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert run.returncode == 1, run.stderr[-2000:]
+  assert "DOES NOT FIT" in run.stdout
