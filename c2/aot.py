@@ -1,6 +1,6 @@
 """Prove from a CPU host that an experiment's train step compiles and fits on its TPU topology.
 
-  python -m c2.aot --config experiments/pretrain.py:full [--topology v5p:16x16x16] [--num_slices 2]
+  python -m c2.aot --config experiments/pretrain.py:full [--topology v5p:16x16x16] [--num-slices 2]
 
 Builds the abstract train state and batch with their shardings on a compile-only TPU mesh (libtpu,
 no TPU needed), lowers and compiles the phase's real step, and prints per-device HBM (arguments,
@@ -205,6 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   config = config_flags.DEFINE_config_file("config", None, "experiment file[:variant]")
   topology = flags.DEFINE_string("topology", None, "e.g. v5p:16x16x16 (default: the experiment's)")
   num_slices = flags.DEFINE_integer("num_slices", None, "slices (default: the experiment's)")
+  flags.DEFINE_alias("num-slices", "num_slices")  # the spelling gcloud and xpk use
   result = {}
 
   def run(_):

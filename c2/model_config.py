@@ -40,7 +40,7 @@ class YarnScaling:
 GMM_IMPLS = ("auto", "ragged_dot", "dense", "pallas")
 GMM_FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
 A2A_IMPLS = ("auto", "ragged", "padded", "ragged_emulated")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_attention", "save_dots")
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash")  # see c2.ops.attention
 
 

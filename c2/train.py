@@ -18,14 +18,12 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
 from c2 import checkpoint as ckpt_lib
 from c2 import flops, hardware
 from c2 import mesh as meshlib
-from c2 import model as model_lib
 from c2 import optim
 from c2 import sharding
 from c2 import state as state_lib

@@ -46,7 +46,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=64, source="jsonl:gs://BUCKET/sft/{split}-*.jsonl")
     c.mesh.update(fsdp=-1, expert=8)
-    c.model.update(ep_capacity_factor=2.0)
+    # The shapes of experiments/pretrain.py:proxy, whose AOT check sizes them.
+    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
     c.optim.update(peak_lr=2e-5, warmup_steps=50)
     c.train.update(steps=2000, max_minutes=None, eval_every=200, eval_batches=16,
                    ce_chunk_size=8192)
@@ -55,9 +56,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   elif variant == "full":
     c.model.preset = "kimi-k2.5"
     # The shapes and layout of experiments/pretrain.py:full, whose AOT check sizes them: bounded
-    # expert-parallel buffers, full remat, one 32k row per (fsdp, expert) pair on 4096 chips,
-    # split over 4 context shards.
-    c.model.update(ep_capacity_factor=2.0, remat_policy="full")
+    # expert-parallel buffers, remat of all but the attention kernel's outputs, one 32k row per
+    # (fsdp, expert) pair on 4096 chips, split over 4 context shards.
+    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
     c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
                   global_batch_size=1024, source="arrayrecord:gs://BUCKET/sft/{split}-*.arrayrecord")
     c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)

@@ -1,6 +1,4 @@
 """The pretraining step and run loop: mesh equivalence, overfitting, exact resume, TensorBoard."""
-import functools
-import glob
 import json
 
 import jax

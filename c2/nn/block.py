@@ -55,17 +55,21 @@ class DecoderBlock(nn.Module):
 
 def remat_policy(name: str):
   """full: recompute the whole block in the backward pass (least memory, ~1/3 more FLOPs).
+  save_attention: recompute all but the attention kernel's outputs (its output and logsumexp, a
+  few bytes per token and head), so the backward never reruns the forward attention kernel: at
+  32k tokens that kernel is most of a layer's FLOPs.
   save_dots: keep every matmul output, plus the Pallas kernels' outputs (expert matmuls, the
-  splash kernel's residuals) and the dispatched expert rows, by checkpoint name: a Pallas call is
-  no dot to jax's policy, and without the names the backward would rerun the expert matmuls, the
+  attention kernel's) and the dispatched expert rows, by checkpoint name: a Pallas call is no
+  dot to jax's policy, and without the names the backward would rerun the expert matmuls, the
   attention kernel and the all-to-all."""
   policies = jax.checkpoint_policies
   return {
       "full": policies.nothing_saveable,
+      "save_attention": policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS),
       "save_dots": policies.save_from_both_policies(
           policies.dots_with_no_batch_dims_saveable,
           policies.save_only_these_names(dispatch.DISPATCHED_ROWS, dispatch.EXPERT_MATMUL,
-                                         splash_attention.KERNEL_RESIDUALS)),
+                                         splash_attention.KERNEL_OUTPUTS)),
   }[name]
 
 

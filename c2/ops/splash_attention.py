@@ -43,7 +43,7 @@ from c2 import hardware, hlo_flops
 from c2.sharding import logical_to_spec
 
 LANES = 128
-KERNEL_RESIDUALS = "attention_kernel_residuals"  # checkpoint name of the kernel's saved values
+KERNEL_OUTPUTS = "attention_kernel_outputs"  # checkpoint name of what the forward kernel made
 HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple of this
 
 # Block sizes per TPU generation: rows (max_len, block_q, block_kv, block_kv_compute); the first
@@ -108,36 +108,44 @@ def make_kernel(num_heads: int, seq_len: int, blocks: splash.BlockSizes, interpr
                                 interpret=interpret)
 
 
-def _at_default_precision(fn):
-  """fn(q, k, v, segment_ids) with its kernels traced at DEFAULT matmul precision, fwd and bwd.
+def _run_kernel(kernel, q, k, v, segment_ids):
+  with jax.default_matmul_precision("default"):
+    return jax.vmap(kernel)(q, k, v, segment_ids)
+
+
+@jax.custom_vjp
+def _splash_call(kernel, q, k, v, segment_ids):
+  """The splash kernel, vmapped over the batch, with its kernels traced at DEFAULT matmul
+  precision, forward and backward.
 
   Mosaic rejects HIGHEST (fp32 contract precision) on bf16 operands, so a global
   jax_default_matmul_precision="highest" (the CPU test suite sets one) would fail the TPU compile.
   The kernel's bf16 dots accumulate in float32 either way (float32 inputs on a TPU would get
   DEFAULT-precision dots; the model computes in bf16). The backward kernels are traced when the
-  VJP runs, outside any caller's context, hence the custom_vjp around jax.vjp.
+  VJP runs, outside any caller's context, hence the custom_vjp around jax.vjp. The kernel (a
+  pytree holding the mask's block tables) is an argument, not a closure: a custom_vjp closing
+  over arrays of an enclosing trace breaks under jax.checkpoint.
   """
-  precision = lambda: jax.default_matmul_precision("default")
+  return _run_kernel(kernel, q, k, v, segment_ids)
 
-  @jax.custom_vjp
-  def call(q, k, v, segment_ids):
-    with precision():
-      return fn(q, k, v, segment_ids)
 
-  def call_fwd(q, k, v, segment_ids):
-    with precision():
-      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, segment_ids), q, k, v)
-    # Named so a remat policy can keep the kernel's output and residuals (c2/nn/block.py):
-    # otherwise the backward reruns the forward kernel to rebuild them.
-    name = lambda x: checkpoint_name(x, KERNEL_RESIDUALS)
-    return name(out), jax.tree.map(name, vjp)
+def _splash_call_fwd(kernel, q, k, v, segment_ids):
+  out, vjp = jax.vjp(lambda q, k, v: _run_kernel(kernel, q, k, v, segment_ids), q, k, v)
+  # The values the forward kernel made (output, logsumexp) are named, so a remat policy can keep
+  # them (c2/nn/block.py) and the backward need not rerun the forward kernel. Its inputs (q, k,
+  # v: large, and cheap to recompute from the projections; the mask tables) are left to the
+  # policy's default.
+  inputs = {id(x) for x in jax.tree.leaves((kernel, q, k, v, segment_ids))}
+  name = lambda x: x if id(x) in inputs else checkpoint_name(x, KERNEL_OUTPUTS)
+  return name(out), jax.tree.map(name, vjp)
 
-  def call_bwd(vjp, d_out):
-    with precision():
-      return (*vjp(d_out), None)
 
-  call.defvjp(call_fwd, call_bwd)
-  return call
+def _splash_call_bwd(vjp, d_out):
+  with jax.default_matmul_precision("default"):
+    return (None, *vjp(d_out), None)
+
+
+_splash_call.defvjp(_splash_call_fwd, _splash_call_bwd)
 
 
 def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret):
@@ -154,8 +162,8 @@ def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret)
   q = (q.astype(jnp.float32) * scale).astype(q.dtype)
   seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded_t - t)))
   kernel = make_kernel(h, padded_t, blocks, interpret)
-  out = _at_default_precision(jax.vmap(kernel))(
-      to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v),
+  out = _splash_call(
+      kernel, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v),
       splash.SegmentIds(q=seg, kv=seg))  # [B, H, T', J']
   return jnp.einsum("BHTJ->BTHJ", out)[:, :t, :, :v_dim].astype(v.dtype)
 

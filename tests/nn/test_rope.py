@@ -1,7 +1,6 @@
 """YaRN frequencies and scales against the worked values of algorithms.md section 5.2."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

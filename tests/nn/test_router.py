@@ -1,5 +1,4 @@
 """Routing: the correction bias moves selection only; group limits; no gradient into the bias."""
-import itertools
 
 import jax
 import jax.numpy as jnp

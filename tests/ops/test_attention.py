@@ -114,6 +114,21 @@ def test_splash_interpret_on_mesh_matches_reference():
   _assert_close(got, want, 2e-5)
 
 
+def test_splash_with_context_axis_under_remat_matches_reference():
+  """Context parallelism splits heads inside the kernel (kernel_heads -> tensor, context), and
+  the save_attention remat policy keeps the kernel's outputs: same values and gradients."""
+  from c2.nn.block import remat_policy  # pylint: disable=import-outside-toplevel
+  q, k, v, seg, ct = _inputs(2, 128, 4, 48, 32, [([1, 2], [60, 68]), ([3, 0], [100, 28])])
+  inner = lambda q, k, v: jnp.where(
+      (seg != 0)[:, :, None, None],
+      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, interpret=True), 0)
+  fn = jax.checkpoint(inner, policy=remat_policy("save_attention"))
+  with jax.set_mesh(meshlib.make_mesh({"fsdp": 2, "tensor": 2, "context": 2})):
+    got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, ct)
+  want = jax.jit(lambda *a: _value_and_grads(_reference(seg, 0.25), *a))(q, k, v, ct)
+  _assert_close(got, want, 2e-5)
+
+
 @pytest.mark.parametrize("seq_len,block_q,block_kv", [(1024, 128, 128), (768, 256, 128),
                                                       (1024, 128, 512)])
 def test_causal_block_mask_gives_the_stock_mask_info(seq_len, block_q, block_kv):
