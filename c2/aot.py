@@ -198,6 +198,10 @@ def report_of(compiled, exp: ExperimentConfig, topology: str, num_slices: int, d
 def main(argv: Optional[list[str]] = None) -> int:
   # Compile-only use of libtpu: several AOT processes may share one host.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # No TPU VM around: without these libtpu asks the GCE metadata server and logs an alarming
+  # INVALID_ARGUMENT about worker hostnames (harmless for compiling, but it reads like a failure).
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   from c2 import config as config_lib  # pylint: disable=import-outside-toplevel
