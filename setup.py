@@ -24,7 +24,8 @@ setup(
     version="0.1.0",
     description="Composer-2 training system in JAX: Kimi-K2.5 MoE with MTP, pretraining to agentic RL.",
     python_requires=">=3.11",
-    packages=find_packages(include=["c2", "c2.*", "pallas_kernels", "pallas_kernels.*"]),
+    packages=find_packages(include=["c2", "c2.*", "pallas_kernels", "pallas_kernels.*",
+                                    "experiments"]),
     install_requires=CORE,
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis"],

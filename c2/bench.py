@@ -1,9 +1,11 @@
-"""Benchmarks: `python -m c2.bench NAME [args]` runs `c2/bench_NAME.py`'s main(argv).
+"""Benchmarks: `python -m c2.bench NAME [args]` runs `c2/perf/bench_NAME.py`'s main(argv).
 
   python -m c2.bench gmm            # grouped-matmul kernels: errors per format, AOT cost, speed
   python -m c2.bench gmm --help
 
-Each benchmark lives in its own c2/bench_<name>.py so adding one never edits another.
+Each benchmark lives in its own c2/perf/bench_<name>.py so adding one never edits another. A
+benchmark exits non-zero when a path it measures disagrees with its reference beyond tolerance:
+a fast wrong path never reads as a result.
 """
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import importlib
 import pkgutil
 import sys
 
-import c2
+from c2 import perf
 
 
 def available() -> list[str]:
-  return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(c2.__path__)
+  return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(perf.__path__)
                 if m.name.startswith("bench_"))
 
 
@@ -25,7 +27,7 @@ def main(argv: list[str]) -> int:
     print(__doc__.strip())
     print("available:", ", ".join(names))
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
-  module = importlib.import_module(f"c2.bench_{argv[0]}")
+  module = importlib.import_module(f"c2.perf.bench_{argv[0]}")
   return module.main(argv[1:]) or 0
 
 

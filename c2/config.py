@@ -16,8 +16,9 @@ import types
 import typing
 from typing import Any, Mapping, Optional
 
-from c2 import mesh as meshlib
-from c2.model_config import ModelConfig, get_preset, YarnScaling
+from c2.model.config import ModelConfig, YarnScaling, get_preset
+from c2.parallel import mesh as meshlib
+from c2.steps import STEPS
 
 PHASES = ("pretrain", "sft", "long_context", "rl")
 
@@ -29,7 +30,7 @@ class MeshConfig:
   expert: int = 1
   tensor: int = 1
   context: int = 1
-  num_slices: int = 1
+  num_slices: int = 1  # slices over DCN; the data axis spans them (trainer and AOT check alike)
 
   def axis_sizes(self) -> dict[str, int]:
     return {name: getattr(self, name) for name in meshlib.MESH_AXES}
@@ -95,8 +96,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AotConfig:
-  topology: str = "v5p:2x2x1"  # default target of `python -m c2.aot` for this experiment
-  num_slices: int = 1
+  # Default target of `python -m c2.aot` for this experiment (slices: mesh.num_slices).
+  topology: str = "v5p:2x2x1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,10 @@ class ExperimentConfig:
       sizes = meshlib.resolve_axis_sizes(self.mesh.axis_sizes(), num_devices)
     except ValueError as e:
       raise ConfigError(f"config.mesh: {e} ({num_devices} devices present)") from None
+    if sizes["data"] % self.mesh.num_slices:
+      raise ConfigError(f"config.mesh.data={sizes['data']} must be a multiple of "
+                        f"config.mesh.num_slices={self.mesh.num_slices}: the data axis spans the "
+                        "slices; set --config.mesh.data to the number of slices (or a multiple)")
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if self.data.global_batch_size % batch_shards:
       raise ConfigError(
@@ -135,6 +140,14 @@ class ConfigError(ValueError):
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
              "checkpoint": CheckpointConfig, "aot": AotConfig}
+
+
+def _unknown_key(key: str, known, prefix: str, what: str = "a known key") -> ConfigError:
+  """The error for a key that is not in `known`, with the closest valid key or the list."""
+  close = difflib.get_close_matches(key, known, n=1)
+  dotted = f"{prefix}." if prefix else ""
+  hint = (f"; did you mean {dotted}{close[0]}?" if close else f"; valid keys: {sorted(known)}")
+  return ConfigError(f"config.{dotted}{key} is not {what}{hint}")
 
 
 def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
@@ -163,9 +176,7 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
   kwargs = {}
   for key, value in values.items():
     if key not in fields:
-      close = difflib.get_close_matches(key, fields, n=1)
-      hint = f"; did you mean {prefix}.{close[0]}?" if close else f"; valid keys: {sorted(fields)}"
-      raise ConfigError(f"config.{prefix}.{key} is not a known key{hint}")
+      raise _unknown_key(key, fields, prefix)
     kwargs[key] = _check_type(f"{prefix}.{key}", value, hints[key])
   try:
     return cls(**kwargs)
@@ -221,9 +232,7 @@ def _model_config(values: Mapping[str, Any]) -> ModelConfig:
   checked = {}
   for key, value in values.items():
     if key not in fields:
-      close = difflib.get_close_matches(key, fields, n=1)
-      raise ConfigError(f"config.model.{key} is not a ModelConfig field"
-                        + (f"; did you mean model.{close[0]}?" if close else ""))
+      raise _unknown_key(key, fields, "model", "a ModelConfig field")
     checked[key] = value if key == "rope_scaling" else _check_type(f"model.{key}", value, hints[key])
   try:
     return base.replace(**checked)
@@ -237,12 +246,13 @@ def from_config_dict(config: Any) -> ExperimentConfig:
   known = {"phase", "name", "model", *_SECTIONS}
   for key in raw:
     if key not in known:
-      close = difflib.get_close_matches(key, known, n=1)
-      raise ConfigError(f"config.{key} is not a known section"
-                        + (f"; did you mean {close[0]}?" if close else f"; sections: {sorted(known)}"))
+      raise _unknown_key(key, known, "", "a known section")
   phase = raw.get("phase", "pretrain")
   if phase not in PHASES:
     raise ConfigError(f"config.phase={phase!r}; choose one of {PHASES}")
+  if phase not in STEPS:
+    raise ConfigError(f"config.phase={phase!r} has no train step yet (c2.steps.STEPS has "
+                      f"{sorted(STEPS)}); register the phase's step there before running it")
   sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
   exp = ExperimentConfig(phase=phase, model=_model_config(raw.get("model", {})),
                          name=raw.get("name", "experiment"), **sections)

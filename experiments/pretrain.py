@@ -9,13 +9,15 @@ the main head rises. Rerunning the command resumes from the last checkpoint.
 Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/pretrain.py:full
   launch/run.sh --tpu NAME --zone ZONE --config experiments/pretrain.py:full --workdir gs://B/runs/cpt
-Variants: tiny | proxy | full. Override anything: --config.optim.peak_lr=1e-4.
+Variants: tiny | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
+--config.optim.peak_lr=1e-4.
 MTP attached from a mid-run checkpoint: --config.train.init_from=gs://B/runs/cpt/ckpt (the MTP
 modules the checkpoint lacks are freshly initialised, everything else restored).
 """
 import ml_collections
 
 from c2.config import default_config
+from experiments import layouts
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
@@ -31,37 +33,17 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   if variant == "tiny":
     pass
   elif variant == "proxy":
-    c.model.preset = "proxy-30b"
-    # One 32k row per v5p chip (64), remat of all but the attention kernel's outputs: 58.0 GiB of
-    # 95 per device, FLOP ratio 1.52, measured by `python -m c2.aot --config
-    # experiments/pretrain.py:proxy` (full remat: 46.9 GiB, 1.70; 256 rows: 144 GiB, no fit).
-    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
-                  global_batch_size=64, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
-    c.mesh.update(fsdp=-1, expert=8)
-    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+    layouts.proxy(c)
+    c.data.update(source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
     c.optim.update(peak_lr=3e-4, warmup_steps=500)
-    c.train.update(steps=20000, max_minutes=None, eval_every=1000, eval_batches=16,
-                   ce_chunk_size=8192)
+    c.train.update(steps=20000, eval_every=1000)
     c.checkpoint.update(every_steps=500)
-    c.aot.update(topology="v5p:4x4x4")
   elif variant == "full":
-    c.model.preset = "kimi-k2.5"
-    # Bounded expert-parallel buffers (2x the mean load; drops are logged): the dropless worst
-    # case would cost EP=16 times the dispatched activations. Remat recomputes everything but the
-    # attention kernel's outputs (at 32k attention is most of a layer's FLOPs): FLOP ratio 1.61
-    # vs 1.77 with full remat, for 55.9 instead of 39.9 GiB.
-    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
-    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
-                  global_batch_size=1024, source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
-    # 4096 v5p chips: one 32k sequence per (fsdp, expert) pair, split over 4 context shards.
-    # Measured by `python -m c2.aot --config experiments/pretrain.py:full`: 55.9 GiB of 95 GiB
-    # per device. Context shards split the heads inside the attention kernel (c2/sharding.py).
-    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
+    layouts.full(c)
+    c.data.update(source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
     c.optim.update(peak_lr=2e-5, warmup_steps=200, min_lr_ratio=0.35)
-    c.train.update(steps=50000, max_minutes=None, eval_every=1000, eval_batches=16,
-                   ce_chunk_size=8192)
+    c.train.update(steps=50000, eval_every=1000)
     c.checkpoint.update(every_steps=250)
-    c.aot.update(topology="v5p:16x16x16")
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny, proxy or full")
   return c

@@ -27,6 +27,7 @@ Variants: tiny | proxy | full. Data: `jsonl:` / `parquet:` / `arrayrecord:` file
 import ml_collections
 
 from c2.config import default_config
+from experiments import layouts
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
@@ -42,31 +43,17 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   if variant == "tiny":
     pass
   elif variant == "proxy":
-    c.model.preset = "proxy-30b"
-    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
-                  global_batch_size=64, source="jsonl:gs://BUCKET/sft/{split}-*.jsonl")
-    c.mesh.update(fsdp=-1, expert=8)
-    # The shapes of experiments/pretrain.py:proxy, whose AOT check sizes them.
-    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+    layouts.proxy(c)  # the shapes of experiments/pretrain.py:proxy, whose AOT check sizes them
+    c.data.update(source="jsonl:gs://BUCKET/sft/{split}-*.jsonl")
     c.optim.update(peak_lr=2e-5, warmup_steps=50)
-    c.train.update(steps=2000, max_minutes=None, eval_every=200, eval_batches=16,
-                   ce_chunk_size=8192)
+    c.train.update(steps=2000, eval_every=200)
     c.checkpoint.update(every_steps=200)
-    c.aot.update(topology="v5p:4x4x4")
   elif variant == "full":
-    c.model.preset = "kimi-k2.5"
-    # The shapes and layout of experiments/pretrain.py:full, whose AOT check sizes them: bounded
-    # expert-parallel buffers, remat of all but the attention kernel's outputs, one 32k row per
-    # (fsdp, expert) pair on 4096 chips, split over 4 context shards.
-    c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
-    c.data.update(tokenizer="tiktoken:/path/to/kimi/tiktoken.model", seq_len=32768,
-                  global_batch_size=1024, source="arrayrecord:gs://BUCKET/sft/{split}-*.arrayrecord")
-    c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
+    layouts.full(c)  # the shapes and layout of experiments/pretrain.py:full
+    c.data.update(source="arrayrecord:gs://BUCKET/sft/{split}-*.arrayrecord")
     c.optim.update(peak_lr=1e-5, warmup_steps=50, min_lr_ratio=0.1)
-    c.train.update(steps=500, max_minutes=None, eval_every=50, eval_batches=16,
-                   ce_chunk_size=8192)
+    c.train.update(steps=500, eval_every=50)
     c.checkpoint.update(every_steps=50)
-    c.aot.update(topology="v5p:16x16x16")
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny, proxy or full")
   return c

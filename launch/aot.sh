@@ -5,8 +5,8 @@
 # is (pip install -e '.[tpu]').
 #
 # usage: launch/aot.sh EXPERIMENT TOPOLOGY [-- more c2.aot flags / --config.key=value ...]
-#   e.g. launch/aot.sh experiments/pretrain.py:full v5p-256
-#        launch/aot.sh experiments/pretrain.py:full tpu7x-128 -- --config.mesh.expert=8
+#   e.g. launch/aot.sh experiments/pretrain.py:full v5p-8192
+#        launch/aot.sh experiments/pretrain.py:proxy tpu7x-128 -- --config.mesh.expert=8
 # options: --dry-run (print the command instead of running it)
 # TOPOLOGY takes the accelerator-type names of `gcloud compute tpus` (v5p-256, v6e-256,
 # tpu7x-128); c2.aot maps each to its device layout (v5p names count TensorCores, so v5p-256

@@ -11,7 +11,7 @@ LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_ROOT=$(dirname "$LAUNCH_DIR")
 BOOL_FLAGS=" dry-run queued spot detach no-setup "   # every other flag takes a value
 ARGS=()        # positional arguments
-OVERRIDES=()   # everything after `--`, passed through untouched (e.g. --config.optim.lr=1e-4)
+OVERRIDES=()   # everything after `--`, passed through untouched (e.g. --config.optim.peak_lr=1e-4)
 
 die() { echo "error: $*" >&2; exit 1; }
 note() { echo "[c2] $*" >&2; }

@@ -5,7 +5,7 @@
 #
 # usage: launch/local.sh EXPERIMENT WORKDIR [-- --config.key=value ...] [--dry-run]
 #   e.g. launch/local.sh experiments/pretrain.py:tiny /tmp/c2-runs/tiny
-#        launch/local.sh experiments/pretrain.py:tiny /tmp/c2-runs/tiny -- --config.optim.lr=3e-4
+#        launch/local.sh experiments/pretrain.py:tiny /tmp/c2-runs/tiny -- --config.optim.peak_lr=3e-4
 # Options:
 #   --cpu-devices N   run on the CPU backend with N fake devices (like the tests), so the
 #                     sharding code runs for real on a machine without accelerators

@@ -6,9 +6,10 @@
 # usage: launch/xpk.sh create --cluster C --zone Z --type T EXPERIMENT WORKDIR [-- overrides]
 #        launch/xpk.sh delete --cluster C --zone Z WORKDIR
 #        launch/xpk.sh list   --cluster C --zone Z
-#   e.g. launch/xpk.sh create --cluster c2-gke --zone us-east5 --type v5p-256 --num-slices 2 \
-#          experiments/pretrain.py:full gs://my-bucket/runs/pretrain_full
-# options: --project P, --num-slices N (multislice over DCN; default 1), --spot,
+#   e.g. launch/xpk.sh create --cluster c2-gke --zone us-east5 --type v5p-4096 --num-slices 2 \
+#          experiments/pretrain.py:full gs://my-bucket/runs/pretrain_full -- --config.mesh.data=2
+# options: --project P, --num-slices N (multislice over DCN, default 1; adds
+#          --config.mesh.num_slices=N, and the mesh's data axis must be a multiple of N), --spot,
 #          --dry-run (print the xpk commands instead of running them)
 # The workload is named after WORKDIR (see workload_name); delete it before creating it again.
 
@@ -37,8 +38,10 @@ xpk() {
 create() {
   expect_args 3 "create EXPERIMENT WORKDIR"
   require C2_TYPE
-  local train
-  train=$(shell_quote bash launch/worker.sh "${ARGS[1]}" "${ARGS[2]}" -- "${OVERRIDES[@]}")
+  local train overrides=("${OVERRIDES[@]}")
+  # Multislice: the run's mesh must span the slices (its data axis goes over DCN).
+  if ((${C2_NUM_SLICES:-1} > 1)); then overrides+=("--config.mesh.num_slices=$C2_NUM_SLICES"); fi
+  train=$(shell_quote bash launch/worker.sh "${ARGS[1]}" "${ARGS[2]}" -- "${overrides[@]}")
   xpk workload create --workload="$(workload_name "${ARGS[2]}")" --tpu-type="$C2_TYPE" \
     --num-slices="${C2_NUM_SLICES:-1}" ${C2_SPOT:+--spot} \
     --base-docker-image="$C2_XPK_BASE_IMAGE" --script-dir="$REPO_ROOT" \

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def small_cfg():
   """The tiny preset cut to one dense + one MoE layer in float32: compiles in seconds on CPU."""
-  from c2.model_config import get_preset
+  from c2.model.config import get_preset
   return get_preset("tiny", dtype="float32", num_layers=2, hidden_size=64, dense_ffn_size=128,
                     moe_ffn_size=32, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                     qk_rope_head_dim=8, v_head_dim=16, vocab_size=512, remat_policy="none")
@@ -52,7 +52,7 @@ def small_experiment(tokenizer_512):
   import shutil
 
   from c2 import config as config_lib
-  from c2.experiments_loader import load_experiment
+  from c2.cli import load_experiment
 
   def build(**overrides):
     c = load_experiment("experiments/pretrain.py", "tiny")

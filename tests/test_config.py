@@ -2,7 +2,7 @@
 import pytest
 
 from c2 import config as config_lib
-from c2.experiments_loader import load_experiment
+from c2.cli import load_experiment
 
 
 @pytest.mark.parametrize("path", ["experiments/pretrain.py:tiny", "experiments/pretrain.py:proxy",

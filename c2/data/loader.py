@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from c2 import sharding
+from c2.parallel import sharding
 from c2.data import pipeline
 from c2.data.tokenizer import Tokenizer
 

@@ -7,7 +7,7 @@ Batch contract (what the train step relies on; per process, B = batch_size, T = 
   loss_mask    [B, T] float32  1 where the token at t is a valid target: inside a segment, not a
                                segment's first token, and (for SFT) an assistant token; else 0
 Targets are NOT shifted here: the step predicts tokens[t+1] at t when segment_ids[t+1] ==
-segment_ids[t] and weighs that prediction by loss_mask[t+1] (c2/losses.py).
+segment_ids[t] and weighs that prediction by loss_mask[t+1] (c2/losses/targets.py).
 
 Packing is grain's first-fit packer: it fills `num_packing_bins` rows at a time, putting each
 example into the first row with room, and emits all rows when an example fits nowhere. More bins

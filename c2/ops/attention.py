@@ -24,7 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from c2.mesh import target_platform
+from c2.parallel.mesh import target_platform
 from c2.ops.blockwise_attention import blockwise_attention
 from c2.ops.splash_attention import splash_attention
 

@@ -28,7 +28,8 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as in c2.ops.attention
 _F32 = jnp.float32
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` that is >= n (block and lane padding)."""
   return -(-n // multiple) * multiple
 
 
@@ -167,8 +168,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: floa
   fewer scan steps) against temporary memory (B * H * block_q * block_kv * 4 bytes per tile).
   """
   t, s = q.shape[1], k.shape[1]
-  block_q, block_kv = min(block_q, _round_up(t, 8)), min(block_kv, _round_up(s, 8))
-  pad_t, pad_s = _round_up(t, block_q) - t, _round_up(s, block_kv) - s
+  block_q, block_kv = min(block_q, round_up(t, 8)), min(block_kv, round_up(s, 8))
+  pad_t, pad_s = round_up(t, block_q) - t, round_up(s, block_kv) - s
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
   out = _flash(pad(q, pad_t), pad(k, pad_s), pad(v, pad_s), pad(q_segment_ids, pad_t),
                pad(kv_segment_ids, pad_s), float(scale), bool(causal), block_q, block_kv)

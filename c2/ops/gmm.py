@@ -16,7 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from c2.mesh import target_platform
+from c2.parallel.mesh import target_platform
 
 
 def resolve_impl(impl: str) -> str:

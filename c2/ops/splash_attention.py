@@ -39,8 +39,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-from c2 import hardware, hlo_flops
-from c2.sharding import logical_to_spec
+from c2.ops.blockwise_attention import round_up
+from c2.parallel.sharding import logical_to_spec
+from c2.perf import hardware, hlo_flops
 
 LANES = 128
 KERNEL_OUTPUTS = "attention_kernel_outputs"  # checkpoint name of what the forward kernel made
@@ -56,15 +57,11 @@ SPLASH_BLOCKS: dict[str, tuple[tuple[Optional[int], int, int, int], ...]] = {
 }
 
 
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
 def block_sizes(seq_len: int, generation: Optional[str] = None) -> splash.BlockSizes:
   """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...)."""
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
-  cap = _round_up(seq_len, LANES)
+  cap = round_up(seq_len, LANES)
   block_q, block_kv = min(block_q, cap), min(block_kv, cap)
   compute = compute if block_kv % compute == 0 else block_kv
   return splash.BlockSizes(
@@ -132,7 +129,7 @@ def _splash_call(kernel, q, k, v, segment_ids):
 def _splash_call_fwd(kernel, q, k, v, segment_ids):
   out, vjp = jax.vjp(lambda q, k, v: _run_kernel(kernel, q, k, v, segment_ids), q, k, v)
   # The values the forward kernel made (output, logsumexp) are named, so a remat policy can keep
-  # them (c2/nn/block.py) and the backward need not rerun the forward kernel. Its inputs (q, k,
+  # them (c2/model/block.py) and the backward need not rerun the forward kernel. Its inputs (q, k,
   # v: large, and cheap to recompute from the projections; the mask tables) are left to the
   # policy's default.
   inputs = {id(x) for x in jax.tree.leaves((kernel, q, k, v, segment_ids))}
@@ -152,11 +149,11 @@ def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret)
   """One device's shard: q [B, T, H, K], k [B, T, H, K], v [B, T, H, J] -> [B, T, H, J]."""
   t, h, v_dim = q.shape[1], q.shape[2], v.shape[3]
   blocks = blocks or block_sizes(t, generation)
-  padded_t = _round_up(t, math.lcm(blocks.block_q, blocks.block_kv))
+  padded_t = round_up(t, math.lcm(blocks.block_q, blocks.block_kv))
 
   def to_kernel_layout(x):  # [B, T, H, D] -> [B, H, T', D'], zero padded
     d = x.shape[-1]
-    x = jnp.pad(x, ((0, 0), (0, padded_t - t), (0, 0), (0, _round_up(d, HEAD_DIM_MULTIPLE) - d)))
+    x = jnp.pad(x, ((0, 0), (0, padded_t - t), (0, 0), (0, round_up(d, HEAD_DIM_MULTIPLE) - d)))
     return jnp.einsum("BTHD->BHTD", x)
 
   q = (q.astype(jnp.float32) * scale).astype(q.dtype)
@@ -187,7 +184,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     with jax.named_scope("splash_attention"):
       return local(q, k, v, segment_ids)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  # Whole sequences per device; heads split over tensor and context (see c2/sharding.py).
+  # Whole sequences per device; heads split over tensor and context (see c2/parallel/sharding.py).
   spec = logical_to_spec(("batch", None, "kernel_heads", None), q.shape, sizes)
   with jax.named_scope("splash_attention"):
     return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0], None)), out_specs=spec,

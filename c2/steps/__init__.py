@@ -1,9 +1,29 @@
-"""Pure train and eval steps: `step(state, batch, *, ...) -> (state, metrics)`.
+"""Pure steps, one signature for every phase, found only through `STEPS`.
 
-`STEPS` maps a phase to its step function; the trainer and the AOT tool look it up here, so a
-new phase (long context, RL learner, sampler decode) registers itself without special cases.
+  train: step(state, batch, *, ctx: StepContext) -> (state, metrics)
+  eval:  eval_step(params, batch, *, ctx: StepContext) -> metrics
+The trainer and the AOT check look a phase up here (through c2.train.program); a phase missing
+from the table is rejected when the experiment config is validated (c2.config), before any data
+is read or state restored. A new phase (long context, the RL learner) registers itself here.
 """
-from c2.steps.pretrain import pretrain_step
+from __future__ import annotations
 
-# SFT is the same objective with a loss mask on assistant tokens: the same step, not a fork.
-STEPS = {"pretrain": pretrain_step, "sft": pretrain_step}
+import dataclasses
+from typing import Callable
+
+from c2.steps.context import StepContext
+from c2.steps.lm import lm_eval_step, lm_step
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSteps:
+  train: Callable
+  eval: Callable
+
+
+STEPS: dict[str, PhaseSteps] = {
+    "pretrain": PhaseSteps(train=lm_step, eval=lm_eval_step),
+    "sft": PhaseSteps(train=lm_step, eval=lm_eval_step),
+}
+
+__all__ = ["STEPS", "PhaseSteps", "StepContext"]

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from launchtest import LAUNCH, REPO_ROOT, commands
+from launchtest import LAUNCH, REPO_ROOT, commands, parse_c2
 
 _spec = importlib.util.spec_from_file_location("c2_launch_sweep", LAUNCH / "sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
@@ -90,3 +90,17 @@ def test_cli_execute_through_a_launcher(experiment):
          "--config.optim.lr=0.0003", "--config.model.depth=4"],
         [f"--config={experiment}", "--workdir=/tmp/sw/02_name=a-b", "--config.model.name=a b"],
     ]
+
+
+def test_the_real_experiments_sweeps_launch_commands_that_parse():
+    """get_sweep() of the shipped experiment files, through the local launcher: every c2.main
+    command it prints parses with c2.main's parser and carries its sweep point."""
+    for experiment in ("experiments/pretrain.py:tiny", "experiments/sft.py:tiny"):
+        out = subprocess.run(
+            [sys.executable, str(LAUNCH / "sweep.py"), experiment, "/tmp/sw", "--launcher",
+             "local", "--execute", "--", "--dry-run"],
+            capture_output=True, text=True, check=True, timeout=120, cwd=REPO_ROOT).stdout
+        trains = [argv for argv in commands(out) if argv[:3] == ["python3", "-m", "c2.main"]]
+        assert len(trains) == 3
+        rates = sorted(parse_c2(argv)[0].optim.peak_lr for argv in trains)
+        assert rates == [1e-3, 3e-3, 1e-2]

@@ -6,7 +6,7 @@ import shlex
 import shutil
 
 import pytest
-from launchtest import REPO_ROOT, commands, remote_command
+from launchtest import REPO_ROOT, commands, parse_c2, remote_command, worker_commands
 
 TPU = ["--tpu", "c2-v5p", "--zone", "us-east5-a"]
 EXP, WORKDIR = "experiments/pretrain.py:proxy", "gs://bucket/runs/pt_proxy"
@@ -76,8 +76,8 @@ def test_missing_or_unknown_flags_fail_with_a_hint(launch):
     assert proc.returncode != 0 and "EXPERIMENT WORKDIR" in proc.stderr
 
 
-def test_run_stops_syncs_bootstraps_then_trains_everywhere(launch):
-    out = launch("run.sh", *TPU, EXP, WORKDIR, "--dry-run", "--", "--config.optim.lr=0.001",
+def test_run_stops_syncs_bootstraps_then_trains_everywhere(launch, tmp_path):
+    out = launch("run.sh", *TPU, EXP, WORKDIR, "--dry-run", "--", "--config.optim.peak_lr=0.001",
                  "--config.name=a b").stdout
     stop, tar, scp, unpack, bootstrap, train = commands(out)
     assert "pkill" in remote_command(stop)
@@ -89,16 +89,21 @@ def test_run_stops_syncs_bootstraps_then_trains_everywhere(launch):
     assert train[:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "c2-v5p", "--worker=all"]
     assert shlex.split(remote_command(train)) == [
         "cd", "c2", "&&", "bash", "launch/worker.sh", EXP, WORKDIR, "--",
-        "--config.optim.lr=0.001", "--config.name=a b"]
+        "--config.optim.peak_lr=0.001", "--config.name=a b"]
+    # What each worker then runs parses with c2.main's own parser.
+    (worker_train, _) = worker_commands(shlex.split(remote_command(train)), tmp_path / "home")
+    exp, values = parse_c2(worker_train)
+    assert exp.optim.peak_lr == 0.001 and exp.name == "a b" and values["workdir"].value == WORKDIR
 
 
 def test_worker_runs_c2_main_and_keeps_a_log_per_host(launch):
     """What each worker then executes: the one training command, its log copied to WORKDIR."""
-    out = launch("worker.sh", EXP, WORKDIR + "/", "--", "--config.optim.lr=0.001",
+    out = launch("worker.sh", EXP, WORKDIR + "/", "--", "--config.optim.peak_lr=0.001",
                  C2_DRY_RUN="1").stdout
     (train, cp) = commands(out)
     assert train[:6] == ["python3", "-m", "c2.main", f"--config={EXP}", f"--workdir={WORKDIR}",
-                         "--config.optim.lr=0.001"]
+                         "--config.optim.peak_lr=0.001"]
+    assert parse_c2(train)[0].optim.peak_lr == 0.001
     assert train[6:9] == ["2>&1", "|", "tee"] and train[-1].endswith(".log")
     assert cp[:3] == ["gcloud", "storage", "cp"] and cp[3] == train[-1]
     assert cp[4].startswith(WORKDIR + "/logs/") and cp[4].endswith(".log")
@@ -109,6 +114,10 @@ def test_run_detached_without_setup(launch):
     stop, train = commands(out)   # no tar/scp/bootstrap
     cmd = remote_command(train)
     assert cmd.startswith("cd c2 && setsid nohup bash launch/worker.sh") and cmd.endswith("&")
+    worker = shlex.split(cmd)
+    worker = worker[:worker.index(">/dev/null")]   # the detaching redirections are the shell's
+    (worker_train, _) = worker_commands(worker, launch.keywords["home"])
+    assert parse_c2(worker_train)[0].phase == "pretrain"
 
 
 def test_setup_can_clone_instead_of_copy(launch):
@@ -157,7 +166,7 @@ def test_worker_for_real_tees_the_log_and_keeps_the_exit_code(launch, tmp_path):
     (venv / "bin" / "python").chmod(0o755)
     workdir = tmp_path / "wd"
     proc = launch("worker.sh", EXP, str(workdir), "--", "--config.a=1", check=False,
-                  C2_VENV=str(venv))
+                  C2_VENV=str(venv))   # a fake python: the override is never parsed
     assert proc.returncode == 3   # a failed run fails the launch
     (log,) = (workdir / "logs").iterdir()
     assert log.read_text() == f"trained with -m c2.main --config={EXP} --workdir={workdir} " \

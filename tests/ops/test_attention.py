@@ -21,7 +21,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from c2 import mesh as meshlib
+from c2.parallel import mesh as meshlib
+from c2.parallel.sharding import with_shardings
 from c2.ops import attention as attn
 from c2.ops import splash_attention as sa
 from c2.ops.blockwise_attention import blockwise_attention
@@ -93,7 +94,7 @@ def test_auto_and_validation():
   assert attn.resolve_impl("splash", 8) == "splash"
   with pytest.raises(ValueError, match="flash"):
     attn.resolve_impl("flash", 8)
-  from c2.model_config import get_preset
+  from c2.model.config import get_preset
   with pytest.raises(ValueError, match="attention_impl"):
     get_preset("tiny", attention_impl="flash")
 
@@ -117,7 +118,7 @@ def test_splash_interpret_on_mesh_matches_reference():
 def test_splash_with_context_axis_under_remat_matches_reference():
   """Context parallelism splits heads inside the kernel (kernel_heads -> tensor, context), and
   the save_attention remat policy keeps the kernel's outputs: same values and gradients."""
-  from c2.nn.block import remat_policy  # pylint: disable=import-outside-toplevel
+  from c2.model.block import remat_policy  # pylint: disable=import-outside-toplevel
   q, k, v, seg, ct = _inputs(2, 128, 4, 48, 32, [([1, 2], [60, 68]), ([3, 0], [100, 28])])
   inner = lambda q, k, v: jnp.where(
       (seg != 0)[:, :, None, None],
@@ -151,18 +152,17 @@ def test_causal_block_mask_gives_the_stock_mask_info(seq_len, block_q, block_kv)
 # --- TPU AOT: compile for a TPU topology from this host (libtpu, no TPU needed) ---
 
 def _tpu_mesh(layout, topology="v5p:2x2x1"):
-  from c2.aot import topology_devices  # pylint: disable=import-outside-toplevel
+  from c2.perf.aot import topology_devices  # pylint: disable=import-outside-toplevel
   return meshlib.make_mesh(layout, devices=topology_devices(topology))
 
 
 def _compile_model_grad(b, t, layout):
   """One dense block (no MTP) of the tiny preset, attention_impl="auto", grad of a loss."""
   from c2 import model  # pylint: disable=import-outside-toplevel
-  from c2.model_config import get_preset  # pylint: disable=import-outside-toplevel
+  from c2.model.config import get_preset  # pylint: disable=import-outside-toplevel
   cfg = get_preset("tiny", num_layers=1, first_k_dense=1, mtp_depth=0, attention_impl="auto")
   mesh = _tpu_mesh(layout)
-  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        model.abstract_params(cfg), model.param_shardings(cfg, mesh))
+  params = with_shardings(model.abstract_params(cfg), model.param_shardings(cfg, mesh))
   batch = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
 
   def loss(p, tokens, seg, pos):

@@ -65,7 +65,7 @@ def test_work_list_invariants(problem, for_tgmm):
 @pytest.mark.parametrize("kind", ["gmm", "tgmm"])
 def test_tiles_are_aligned_and_fit_vmem(gen, fmt, kind):
   g = tuning.GENERATIONS[gen]
-  # Kimi-K2.5 per-device expert shapes under EP=8 (c2/bench_gmm.py), and a tiny one.
+  # Kimi-K2.5 per-device expert shapes under EP=8 (c2/perf/bench_gmm.py), and a tiny one.
   for m, k, n in [(32768, 7168, 4096), (32768, 2048, 7168), (40, 72, 24)]:
     tm, tk, tn = tuning.select_tiles(kind, g, m, k, n, 48, fmt, 2)
     assert tm % tuning.ALIGN == 0 and tk % tuning.ALIGN == 0 and tn % tuning.ALIGN == 0

@@ -1,0 +1,324 @@
+"""Import / export of Hugging Face DeepseekV3-layout checkpoints (Kimi-K2, Kimi-K2.5, DeepSeek-V3).
+
+  import_checkpoint(hf_dir, dtype=np.float32) -> (ModelConfig, params)   host numpy arrays;
+      the config computes in the checkpoint's dtype (float32 stays float32) unless compute_dtype
+  export_checkpoint(cfg, params, out_dir, dtype="bfloat16")              config.json + shards
+
+Glossary: D model width, V vocabulary, H heads, Q q_lora_rank, L kv_lora_rank, N/R/J the
+nope/rope/value head dims, F FFN width, E routed experts, O/I a Linear's out/in features.
+
+Mapping (HF Linear weights are [O, I]; ours are [I..., O...], so transpose then reshape):
+  embed/embedding [V, D]      model.embed_tokens.weight
+  lm_head [D, V]              lm_head.weight^T                    (absent when tied)
+  final_norm/scale            model.norm.weight
+  dense_layers/block/*[i]     model.layers.{i}.*                  i < first_k_dense
+  moe_layers/block/*[i]       model.layers.{first_k_dense + i}.*
+  mtp_{j}/{enorm,hnorm,head_norm,eh_proj}, mtp_{j}/block/*
+                              model.layers.{num_layers + j}.{enorm,hnorm,shared_head.norm,eh_proj}, .*
+The MTP layer's embed_tokens / shared_head.head duplicate the shared ones: skipped on import,
+written on export. Block leaves are listed in `_BLOCK` and `_EXPERTS` below.
+
+Memory: each of our leaves is allocated once and filled tensor by tensor (dequantised per source
+tensor), so beyond the output the importer holds one source tensor at a time; the exporter holds
+at most one output shard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from c2.hf import config as hf_config
+from c2 import model as model_lib
+from c2.hf.tensors import CheckpointError, ShardedWriter, TensorStore
+from c2.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+Params = Any
+
+# Our block leaf -> (HF name under the layer, number of leading *input* dims of our leaf).
+# None: a vector copied as is. An int k: a Linear `<name>.weight` [O, I] with I = prod(shape[:k]).
+_BLOCK = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", None),
+    ("ffn_norm", "scale"): ("post_attention_layernorm.weight", None),
+    ("attn", "q"): ("self_attn.q_proj", 1),  # [D, H, N+R]       (q_lora_rank None)
+    ("attn", "q_a"): ("self_attn.q_a_proj", 1),  # [D, Q]
+    ("attn", "q_a_norm", "scale"): ("self_attn.q_a_layernorm.weight", None),
+    ("attn", "q_b"): ("self_attn.q_b_proj", 1),  # [Q, H, N+R]
+    ("attn", "kv_a"): ("self_attn.kv_a_proj_with_mqa", 1),  # [D, L+R]
+    ("attn", "kv_a_norm", "scale"): ("self_attn.kv_a_layernorm.weight", None),
+    ("attn", "kv_b"): ("self_attn.kv_b_proj", 1),  # [L, H, N+J]
+    ("attn", "out"): ("self_attn.o_proj", 2),  # [H, J, D]
+    ("mlp", "gate"): ("mlp.gate_proj", 1),  # [D, F]
+    ("mlp", "up"): ("mlp.up_proj", 1),
+    ("mlp", "down"): ("mlp.down_proj", 1),  # [F, D]
+    ("moe", "router"): ("mlp.gate", 1),  # [D, E]
+    ("moe", "correction_bias"): ("mlp.gate.e_score_correction_bias", None),  # [E]
+    ("moe", "shared", "gate"): ("mlp.shared_experts.gate_proj", 1),
+    ("moe", "shared", "up"): ("mlp.shared_experts.up_proj", 1),
+    ("moe", "shared", "down"): ("mlp.shared_experts.down_proj", 1),
+}
+# Routed experts: [E, D, F] (gate, up) / [E, F, D] (down) <- mlp.experts.{e}.<proj>.weight^T.
+_EXPERTS = {("moe", "gate"): "gate_proj", ("moe", "up"): "up_proj", ("moe", "down"): "down_proj"}
+_MTP = {
+    ("enorm", "scale"): ("enorm.weight", None), ("hnorm", "scale"): ("hnorm.weight", None),
+    ("head_norm", "scale"): ("shared_head.norm.weight", None), ("eh_proj",): ("eh_proj", 1),
+}
+_TOP = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", None),
+    ("final_norm", "scale"): ("model.norm.weight", None),
+    ("lm_head",): ("lm_head", 1),
+}
+_FLOAT32_ALWAYS = {("moe", "router"), ("moe", "correction_bias")}  # HF keeps these in fp32
+_NOT_WEIGHTS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+def _layer_plan(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[list[str], tuple, bool]:
+  """Our leaf path -> (HF name prefixes, one per stacked slice; leaf key; stacked?)."""
+  head = path[0]
+  if head in ("dense_layers", "moe_layers"):
+    first, count = (0, cfg.first_k_dense) if head == "dense_layers" else (
+        cfg.first_k_dense, cfg.num_moe_layers)
+    return [f"model.layers.{first + i}." for i in range(count)], path[2:], True
+  if head.startswith("mtp_"):
+    prefix = f"model.layers.{cfg.num_layers + int(head[4:])}."
+    return [prefix], path[2:] if path[1] == "block" else path[1:], False
+  return [""], path, False
+
+
+def _spec(path: tuple[str, ...], key: tuple) -> tuple[str, Any]:
+  if path in _TOP:
+    return _TOP[path]
+  if path[0].startswith("mtp_") and path[1] != "block":
+    return _MTP[key]
+  if key in _EXPERTS:
+    return _EXPERTS[key], "experts"
+  if key not in _BLOCK:
+    raise KeyError(f"no HF mapping for parameter {'/'.join(path)}")
+  return _BLOCK[key]
+
+
+def _leaves(tree) -> Iterator[tuple[tuple[str, ...], Any]]:
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    yield tuple(k.key for k in keys), leaf
+
+
+def _split(shape: tuple[int, ...], in_dims: int) -> tuple[int, int]:
+  """(O, I) of the HF Linear behind one of our leaves (one slice of it)."""
+  return int(np.prod(shape[in_dims:])), int(np.prod(shape[:in_dims]))
+
+
+def _read_slice(store: TensorStore, prefix: str, spec, dst: np.ndarray) -> None:
+  """Fills dst (our per-layer shape) from the tensors under HF name `prefix`."""
+  name, kind = spec
+  if kind is None:
+    src = store.read(prefix + name)
+    if src.shape != dst.shape:
+      raise CheckpointError(f"{prefix + name}: shape {src.shape}, expected {dst.shape}; "
+                            "config.json and the weights disagree")
+    dst[...] = src
+  elif kind == "experts":
+    fused = prefix + "mlp.experts." + ("down_proj" if name == "down_proj" else "gate_up_proj")
+    if fused in store:  # transformers' in-memory layout [E, 2F, D] / [E, D, F]
+      w = store.read(fused).astype(np.float32)
+      f = dst.shape[-1] if name != "down_proj" else dst.shape[1]
+      w = {"gate_proj": w[:, :f], "up_proj": w[:, f:], "down_proj": w}[name]
+      dst[...] = np.swapaxes(w, 1, 2)
+    else:
+      for e in range(dst.shape[0]):
+        _read_slice(store, prefix, (f"mlp.experts.{e}.{name}", 1), dst[e])
+  else:
+    w = store.linear(prefix + name)  # [O, I] float32
+    if w.shape != _split(dst.shape, kind):
+      raise CheckpointError(f"{prefix + name}: [out, in] = {w.shape}, expected "
+                            f"{_split(dst.shape, kind)} for our {dst.shape}; config.json and "
+                            "the weights disagree")
+    dst[...] = w.T.reshape(dst.shape)
+
+
+def _hf_tensors(prefix: str, spec, src: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+  """Inverse of `_read_slice`: our per-layer array -> (HF name, array) pairs."""
+  name, kind = spec
+  if kind is None:
+    yield prefix + name, src
+  elif kind == "experts":
+    for e in range(src.shape[0]):
+      yield f"{prefix}mlp.experts.{e}.{name}.weight", src[e].T
+  else:
+    o, i = _split(src.shape, kind)
+    yield f"{prefix}{name}.weight", src.reshape(i, o).T
+
+
+def _configure_quantization(store: TensorStore, raw: dict, source: str) -> None:
+  q = hf_config.text_config(raw)[0].get("quantization_config") or raw.get("quantization_config")
+  if not q:
+    return
+  method = q.get("quant_method")
+  if method == "fp8":
+    store.fp8_block = tuple(q.get("weight_block_size") or (128, 128))
+  elif method == "compressed-tensors":
+    if q.get("format") != "pack-quantized":
+      raise CheckpointError(f"{source}: compressed-tensors format {q.get('format')!r}; only "
+                            "'pack-quantized' (Kimi-K2.5 INT4) is supported")
+    for name, group in (q.get("config_groups") or {}).items():
+      w = group.get("weights") or {}
+      if (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (
+          4, "int", True, "group"):
+        raise CheckpointError(f"{source}: quantization group {name} is not symmetric INT4 per "
+                              f"group ({w}); only the Kimi-K2.5 scheme is supported")
+      store.int4_group = int(w.get("group_size", 32))
+  else:
+    raise CheckpointError(f"{source}: quant_method {method!r} is not supported (fp8 block or "
+                          "compressed-tensors pack-quantized INT4)")
+
+
+def _stored_compute_dtype(store: TensorStore, root: str) -> str:
+  """For a config.json that declares no dtype: float32 when the embedding is stored in F32."""
+  stored = store.dtype_name(root + "model.embed_tokens.weight")
+  return "float32" if stored == "F32" else "bfloat16"
+
+
+def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | None = None,
+                      progress: bool = False, **config_overrides) -> tuple[ModelConfig, Params]:
+  """Reads an HF checkpoint directory -> (ModelConfig, params as a nested dict of numpy arrays).
+
+  dtype: float32 or bfloat16 for every leaf except the router's correction bias (float32).
+  compute_dtype: the returned config's `dtype` (activations and matmuls); None computes in the
+  checkpoint's dtype, so a float32 checkpoint reproduces its reference logits as imported.
+  MTP layers listed in config.json but absent from the weights (transformers never saves them)
+  are dropped from the config with a warning.
+  """
+  config_path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(config_path):
+    raise CheckpointError(f"{hf_dir}: config.json not found")
+  with open(config_path) as f:
+    raw = json.load(f)
+  dtype = np.dtype(dtype)
+  if dtype not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+    raise ValueError(f"import dtype must be float32 or bfloat16, got {dtype}")
+  store = TensorStore(hf_dir)
+  _configure_quantization(store, raw, config_path)
+  root = "language_model." if "language_model.model.embed_tokens.weight" in store else ""
+  config_overrides.setdefault("param_dtype", "float32" if dtype == np.float32 else "bfloat16")
+  if compute_dtype is not None:
+    config_overrides["dtype"] = compute_dtype
+  elif hf_config.declared_compute_dtype(raw) is None:
+    config_overrides["dtype"] = _stored_compute_dtype(store, root)
+  cfg = hf_config.from_hf_dict(raw, source=config_path, **config_overrides)
+  present = 0
+  while present < cfg.mtp_depth and \
+      f"{root}model.layers.{cfg.num_layers + present}.eh_proj.weight" in store:
+    present += 1
+  if present < cfg.mtp_depth:
+    log.warning("%s: num_nextn_predict_layers=%d but only %d MTP layer(s) have weights; "
+                "importing with mtp_depth=%d", config_path, cfg.mtp_depth, present, present)
+    cfg = cfg.replace(mtp_depth=present)
+
+  leaves = list(_leaves(model_lib.abstract_params(cfg)))
+  total = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
+  bar = _progress(progress, total, "import")
+  params: dict = {}
+  for path, leaf in leaves:
+    prefixes, key, stacked = _layer_plan(cfg, path)
+    spec = _spec(path, key)
+    leaf_dtype = np.float32 if key == ("moe", "correction_bias") else dtype
+    out = np.empty(leaf.shape, leaf_dtype)
+    for k, prefix in enumerate(prefixes):
+      dst = out[k] if stacked else out
+      if leaf_dtype == np.float32:
+        _read_slice(store, root + prefix, spec, dst)
+      else:  # assemble in float32 one slice at a time, then round once
+        tmp = np.empty(dst.shape, np.float32)
+        _read_slice(store, root + prefix, spec, tmp)
+        dst[...] = tmp
+      bar.update(dst.size)
+    node = params
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = out
+  bar.close()
+
+  skip = (root + "lm_head.weight",) if cfg.tie_word_embeddings else ()
+  leftover = [n for n in store.names() if n not in store.used and not _skippable(n, root, cfg)
+              and n not in skip]
+  if leftover:
+    raise CheckpointError(f"{hf_dir}: {len(leftover)} tensor(s) were not mapped to any parameter, "
+                          f"e.g. {sorted(leftover)[:8]}; the config does not describe these weights")
+  return cfg, params
+
+
+def _skippable(name: str, root: str, cfg: ModelConfig) -> bool:
+  if name.startswith(_NOT_WEIGHTS) or name.endswith("rotary_emb.inv_freq"):
+    return True
+  parts = name[len(root):].split(".")
+  if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_layers:
+    # MTP copies of the shared embedding / head, and MTP layers beyond the imported depth.
+    rest = ".".join(parts[3:])
+    return rest in ("embed_tokens.weight", "shared_head.head.weight") or \
+        int(parts[2]) >= cfg.num_layers + cfg.mtp_depth
+  return False
+
+
+def export_checkpoint(cfg: ModelConfig, params: Params, out_dir: str, *, dtype: str = "bfloat16",
+                      max_shard_bytes: int = 5 << 30, progress: bool = False) -> None:
+  """Writes params as an HF DeepseekV3ForCausalLM checkpoint: config.json, sharded safetensors
+  (model-0000k-of-0000n.safetensors) and model.safetensors.index.json.
+
+  dtype: "bfloat16" or "float32" for every tensor except the router weight and correction bias,
+  which stay float32 as transformers keeps them. MTP layers get their own copies of the
+  embedding and output head, as DeepSeek-V3 checkpoints have them.
+  """
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}.get(dtype)
+  if np_dtype is None:
+    raise ValueError(f"export dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+  expected = dict(_leaves(model_lib.abstract_params(cfg)))
+  got = dict(_leaves(params))
+  if set(got) != set(expected):
+    raise ValueError(f"params do not match the config: missing {sorted(set(expected) - set(got))[:5]}"
+                     f", unexpected {sorted(set(got) - set(expected))[:5]}")
+  for path, leaf in got.items():
+    if tuple(leaf.shape) != tuple(expected[path].shape):
+      raise ValueError(f"param {'/'.join(path)} has shape {leaf.shape}, config expects "
+                       f"{expected[path].shape}")
+
+  writer = ShardedWriter(out_dir, max_shard_bytes)
+  bar = _progress(progress, sum(int(np.prod(l.shape)) for l in got.values()), "export")
+  for path, leaf in got.items():
+    prefixes, key, stacked = _layer_plan(cfg, path)
+    spec = _spec(path, key)
+    leaf_dtype = np.float32 if key in _FLOAT32_ALWAYS else np_dtype
+    for k, prefix in enumerate(prefixes):
+      src = np.asarray(leaf[k] if stacked else leaf).astype(leaf_dtype)  # one layer on the host
+      for name, tensor in _hf_tensors(prefix, spec, src):
+        writer.add(name, tensor)
+      bar.update(src.size)
+  if cfg.mtp_depth:
+    embed = np.asarray(params["embed"]["embedding"]).astype(np_dtype)  # [V, D]
+    head = np.asarray(model_lib.head_kernel(cfg, params)).T.astype(np_dtype)  # [V, D]
+    for j in range(cfg.mtp_depth):
+      writer.add(f"model.layers.{cfg.num_layers + j}.embed_tokens.weight", embed)
+      writer.add(f"model.layers.{cfg.num_layers + j}.shared_head.head.weight", head)
+  writer.close()
+  bar.close()
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config.to_hf_dict(cfg, torch_dtype=dtype), f, indent=2, sort_keys=True)
+
+
+def _progress(enabled: bool, total: int, desc: str):
+  if enabled:
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    return tqdm(total=total, desc=desc, unit="param", unit_scale=True)
+  return _NoBar()
+
+
+class _NoBar:
+  def update(self, n: int) -> None:
+    del n
+
+  def close(self) -> None:
+    pass

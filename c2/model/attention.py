@@ -1,0 +1,89 @@
+"""Multi-head Latent Attention (MLA) with decoupled RoPE, as in DeepSeek-V3 / Kimi K2.
+
+Glossary: B batch, T length, D model width, H heads, Q q_lora_rank, L kv_lora_rank,
+N qk_nope_head_dim, R qk_rope_head_dim, K = N + R (query/key head dim), J v_head_dim.
+
+  c_q   = RMSNorm(x @ W_qa)                      [B, T, Q]   (q_a_proj, q_a_layernorm)
+  q     = c_q @ W_qb  -> [q_nope | q_rope]        [B, T, H, N + R]
+  [c_kv | k_rope] = x @ W_kva                     [B, T, L + R] (kv_a_proj_with_mqa)
+  c_kv  = RMSNorm(c_kv)                           (the rope part is not normed)
+  [k_nope | v] = c_kv @ W_kvb                     [B, T, H, N + J]
+  k     = [k_nope | RoPE(k_rope) broadcast to every head]
+  out   = softmax(q k^T * scale) v @ W_o          [B, T, D]
+The training path expands keys/values per head (cheaper for long prefill than the absorbed form).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from c2.model.config import YarnScaling
+from c2.model.layers import RMSNorm, default_init, logical_param
+from c2.model.rope import apply_rotary, rotary_angles
+from c2.ops.attention import attention
+from c2.parallel.sharding import constrain
+
+
+class MLAttention(nn.Module):
+  num_heads: int
+  q_lora_rank: Optional[int]
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  rope_theta: float
+  rope_scaling: Optional[YarnScaling]
+  softmax_scale: float
+  # q_a_layernorm / kv_a_layernorm: the reference modeling code (DeepSeek-V3 inference, the
+  # modeling_deepseek.py shipped with Kimi, transformers' DeepseekV3Attention) builds them with
+  # the RMSNorm default eps 1e-6, not config.rms_norm_eps (1e-5 in Kimi-K2.5).
+  latent_norm_eps: float = 1e-6
+  attention_impl: str = "auto"  # see c2.ops.attention.attention
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  def _weight(self, name, shape, axes):
+    return logical_param(self, name, shape, axes, default_init(), self.param_dtype).astype(self.dtype)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, D], segment_ids [B, T] (0 = padding), positions [B, T] -> [B, T, D]."""
+    d = x.shape[-1]
+    h, n, r, j, l = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                     self.v_head_dim, self.kv_lora_rank)
+    norm = lambda name: RMSNorm(self.latent_norm_eps, self.dtype, self.param_dtype, name=name)
+    x = x.astype(self.dtype)
+
+    if self.q_lora_rank is None:
+      q = jnp.einsum("BTD,DHK->BTHK", x, self._weight("q", (d, h, n + r), ("embed", "heads", "head_dim")))
+    else:
+      c_q = jnp.einsum("BTD,DQ->BTQ", x, self._weight("q_a", (d, self.q_lora_rank), ("embed", "q_lora")))
+      c_q = norm("q_a_norm")(c_q)
+      q = jnp.einsum("BTQ,QHK->BTHK", c_q,
+                     self._weight("q_b", (self.q_lora_rank, h, n + r), ("q_lora", "heads", "head_dim")))
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    q_nope, q_rope = q[..., :n], q[..., n:]
+
+    kv_a = jnp.einsum("BTD,DL->BTL", x, self._weight("kv_a", (d, l + r), ("embed", "kv_lora")))
+    c_kv, k_rope = kv_a[..., :l], kv_a[..., l:]  # [B, T, L], [B, T, R]
+    c_kv = norm("kv_a_norm")(c_kv)
+    kv = jnp.einsum("BTL,LHK->BTHK", c_kv,
+                    self._weight("kv_b", (l, h, n + j), ("kv_lora", "heads", "head_dim")))
+    kv = constrain(kv, ("batch", "length", "act_heads", None))
+    k_nope, v = kv[..., :n], kv[..., n:]
+
+    cos, sin = rotary_angles(positions, r, self.rope_theta, self.rope_scaling)  # [B, T, R/2]
+    q_rope = apply_rotary(q_rope, cos, sin)  # [B, T, H, R]
+    k_rope = apply_rotary(k_rope, cos, sin)  # [B, T, R], one rotary key shared by all heads
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, H, K]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (r,))],
+                        axis=-1)  # [B, T, H, K]
+
+    out = attention(q, k, v, scale=self.softmax_scale, segment_ids=segment_ids,
+                    impl=self.attention_impl)  # [B, T, H, J]
+    out = constrain(out, ("batch", "length", "act_heads", None))
+    y = jnp.einsum("BTHJ,HJD->BTD", out, self._weight("out", (h, j, d), ("heads", "head_dim", "embed")))
+    return constrain(y, ("batch", "length", "act_embed"))

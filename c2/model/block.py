@@ -1,0 +1,100 @@
+"""One decoder block (pre-norm): x + MLA(norm(x)), then + FFN(norm(x)) where FFN is dense or MoE.
+
+Glossary: B batch, T length, D model width, K experts per token.
+A block is the unit that `nn.scan` stacks, so its call signature is (carry, *broadcast, scanned)
+-> (carry, per-layer outputs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from c2.model.config import ModelConfig
+from c2.model import dispatch
+from c2.model.attention import MLAttention
+from c2.model.layers import GatedFFN, RMSNorm
+from c2.ops import splash_attention
+from c2.model.moe import MoE
+
+
+class DecoderBlock(nn.Module):
+  """Builds its sublayers from the model config; the sublayers themselves take plain sizes."""
+
+  cfg: ModelConfig
+  use_moe: bool
+
+  @nn.compact
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+               forced_routes: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+    """x [B, T, D] -> (x [B, T, D], aux); aux is {} for dense blocks (see `MoE`)."""
+    cfg = self.cfg
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    attn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="attn_norm")(x)
+    x = x + MLAttention(
+        num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+        softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl, dtype=dtype,
+        param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions)
+    ffn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="ffn_norm")(x)
+    if not self.use_moe:
+      return x + GatedFFN(cfg.dense_ffn_size, dtype, param_dtype, name="mlp")(ffn_in), {}
+    y, aux = MoE(
+        num_experts=cfg.num_routed_experts, experts_per_token=cfg.experts_per_token,
+        expert_ffn_size=cfg.moe_ffn_size, shared_ffn_size=cfg.shared_ffn_size,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor, gmm_impl=cfg.gmm_impl,
+        gmm_fmt=cfg.gmm_fmt, gmm_bwd_fmt=cfg.gmm_bwd_fmt, dispatch_fmt=cfg.dispatch_fmt,
+        a2a_impl=cfg.a2a_impl, ep_capacity_factor=cfg.ep_capacity_factor, dtype=dtype, param_dtype=param_dtype,
+        name="moe")(ffn_in, segment_ids, forced_routes)
+    return x + y, aux
+
+
+def remat_policy(name: str):
+  """full: recompute the whole block in the backward pass (least memory, ~1/3 more FLOPs).
+  save_attention: recompute all but the attention kernel's outputs (its output and logsumexp, a
+  few bytes per token and head), so the backward never reruns the forward attention kernel: at
+  32k tokens that kernel is most of a layer's FLOPs.
+  save_dots: keep every matmul output, plus the Pallas kernels' outputs (expert matmuls, the
+  attention kernel's) and the dispatched expert rows, by checkpoint name: a Pallas call is no
+  dot to jax's policy, and without the names the backward would rerun the expert matmuls, the
+  attention kernel and the all-to-all."""
+  policies = jax.checkpoint_policies
+  return {
+      "full": policies.nothing_saveable,
+      "save_attention": policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS),
+      "save_dots": policies.save_from_both_policies(
+          policies.dots_with_no_batch_dims_saveable,
+          policies.save_only_these_names(dispatch.DISPATCHED_ROWS, dispatch.EXPERT_MATMUL,
+                                         splash_attention.KERNEL_OUTPUTS)),
+  }[name]
+
+
+class BlockStack(nn.Module):
+  """`num_layers` identical blocks under `nn.scan` (params stacked on a leading `layers` axis).
+
+  Scanning keeps compile time flat in depth: the 61-layer model compiles one block body.
+  """
+
+  cfg: ModelConfig
+  use_moe: bool
+  num_layers: int
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, forced_routes=None):
+    """forced_routes: None or [num_layers, B, T, K]. Returns (x, aux stacked over layers)."""
+    block = DecoderBlock
+    if self.cfg.remat_policy != "none":
+      block = nn.remat(block, policy=remat_policy(self.cfg.remat_policy), prevent_cse=False)
+
+    def body(module, carry, layer_routes):
+      return module(carry, segment_ids, positions, layer_routes)
+
+    scanned = nn.scan(
+        body, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=0, length=self.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(block(self.cfg, self.use_moe, name="block"), x, forced_routes)

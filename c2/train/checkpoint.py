@@ -1,0 +1,100 @@
+"""Checkpoints: Orbax CheckpointManager over the train state, the data-iterator state and config.
+
+Layout: workdir/ckpt/<step>/{params, opt_state, meta}. Orbax writes each step into a temporary
+directory and renames it when complete, so a crash mid-save never leaves a half checkpoint that a
+resume would pick up. Saves are asynchronous (training continues while arrays are written); only
+the primary process writes metadata. Restores go straight into the target shardings, which may
+belong to a different mesh than the one that saved.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from c2.train.state import TrainState
+
+
+def _is_remote(path: str) -> bool:
+  return "://" in path
+
+
+class Checkpointer:
+  """Save/restore of (TrainState, data iterator state, metadata) under `directory`."""
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    self.directory = directory if _is_remote(directory) else os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                           create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("params", "opt_state", "meta"))
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, state: TrainState, *, data_state: Optional[dict] = None,
+           extra: Optional[dict] = None, force: bool = False) -> bool:
+    step = int(jax.device_get(state.step))
+    meta = {"step": step, "data_state": data_state, **(extra or {})}
+    return self._manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params),
+        opt_state=ocp.args.StandardSave(state.opt_state),
+        meta=ocp.args.JsonSave(meta)), force=force)
+
+  def restore(self, abstract_state: TrainState, step: Optional[int] = None
+              ) -> tuple[TrainState, dict]:
+    """abstract_state: ShapeDtypeStructs carrying the target shardings."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state.params),
+        opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+        meta=ocp.args.JsonRestore()))
+    meta = restored["meta"]
+    state = TrainState(step=jax.device_put(jax.numpy.asarray(meta["step"], jax.numpy.int32),
+                                           abstract_state.step.sharding),
+                       params=restored["params"], opt_state=restored["opt_state"])
+    return state, meta
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def restore_params_subset(directory: str, abstract_params: Any,
+                          step: Optional[int] = None) -> tuple[dict, list[str]]:
+  """Loads the params a checkpoint has and reports which of `abstract_params` it lacks.
+
+  Used by `train.init_from`: e.g. a mid-run pretraining checkpoint without MTP modules, restored
+  into a model with MTP; the missing subtrees are returned by name so the caller keeps their
+  fresh initialisation. Returns (restored params for the present top-level keys, missing keys).
+  """
+  manager = ocp.CheckpointManager(directory if _is_remote(directory) else os.path.abspath(directory),
+                                  item_names=("params", "opt_state", "meta"))
+  step = manager.latest_step() if step is None else step
+  manager.close()
+  if step is None:
+    raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+  # The params item on its own, read with a plain PyTree checkpointer: its metadata names the
+  # saved top-level modules, and a partial restore reads only those.
+  params_dir = os.path.join(directory, str(step), "params")
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(params_dir).item_metadata.tree
+  present = {k: v for k, v in abstract_params.items() if k in saved}
+  missing = sorted(set(abstract_params) - set(saved))
+  restored = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
+      item=present, partial_restore=True,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(present)))
+  logging.info("init_from %s step %d: restored %s; fresh: %s", directory, step,
+               sorted(present), missing)
+  return dict(restored), missing

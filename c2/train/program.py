@@ -1,0 +1,117 @@
+"""The program of a run, built in one place for the trainer and for the AOT check.
+
+  program = build(exp, mesh)                  optimizer, step context, shardings, jitted steps
+  with program.context(): program.train_step(state, batch)          what `c2.train.loop` runs
+  program.lower()                             what `c2.perf.aot` compiles for a TPU topology
+The two differ only in the mesh's devices (real ones, or a TPU topology's compile-only devices)
+and the Pallas target generation, never in the step, its shardings or its arguments: the test
+tests/train/test_program.py checks that both lower to the same module text.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_kernels
+from c2 import optim
+from c2.config import ExperimentConfig
+from c2.data import loader
+from c2.losses.lm import LossWeights
+from c2.model import ROUTER_BIAS
+from c2.parallel.sharding import with_shardings
+from c2.steps import STEPS, StepContext
+from c2.train import state as state_lib
+
+BATCH_DTYPES = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+                "loss_mask": jnp.float32}
+# The production matmul precision, pinned so that the trainer and the AOT check lower the same
+# program whatever the process-wide setting (the CPU tests set "highest"; Mosaic kernels reject
+# HIGHEST on bf16 operands).
+MATMUL_PRECISION = "default"
+
+
+def make_optimizer(exp: ExperimentConfig) -> optim.Optimizer:
+  o = exp.optim
+  return optim.build_optimizer(
+      peak_lr=o.peak_lr, total_steps=exp.train.steps, warmup_steps=o.warmup_steps,
+      schedule=o.schedule, decay_fraction=o.decay_fraction, decay_shape=o.decay_shape,
+      final_lr=o.peak_lr * o.min_lr_ratio, b1=o.b1, b2=o.b2, eps=o.eps,
+      weight_decay=o.weight_decay, clip_norm=o.clip_norm or None,
+      frozen_patterns=(ROUTER_BIAS,), use_muon=o.name == "muon", muon_momentum=o.muon_momentum)
+
+
+def step_context(exp: ExperimentConfig, optimizer: optim.Optimizer) -> StepContext:
+  t = exp.train
+  weights = LossWeights(ce_chunk_size=t.ce_chunk_size, z_loss_weight=t.z_loss_weight,
+                        mtp_weight=t.mtp_weight, mtp_loss=t.mtp_loss,
+                        mtp_detach_trunk=t.mtp_detach_trunk,
+                        balance_loss_weight=t.balance_loss_weight)
+  return StepContext(model=exp.model, tx=optimizer.tx, loss_weights=weights,
+                     bias_update_rate=t.bias_update_rate, schedule=optimizer.schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A phase's jitted steps with every sharding they take and give, on one mesh."""
+  mesh: jax.sharding.Mesh
+  optimizer: optim.Optimizer
+  ctx: StepContext
+  state_shardings: state_lib.TrainState
+  abstract_state: state_lib.TrainState  # ShapeDtypeStructs carrying state_shardings
+  abstract_batch: dict  # ShapeDtypeStructs carrying the batch shardings
+  train_step: Callable  # (state, batch) -> (state, metrics); donates the state
+  eval_step: Callable  # (params, batch) -> metrics
+  target_generation: Optional[str] = None  # Pallas kernels' TPU generation when not this host's
+
+  @contextlib.contextmanager
+  def context(self):
+    """Mesh, Pallas target and matmul precision under which the steps are traced and run."""
+    target = (pallas_kernels.use_target(self.target_generation) if self.target_generation
+              else contextlib.nullcontext())
+    with jax.set_mesh(self.mesh), target, jax.default_matmul_precision(MATMUL_PRECISION):
+      yield
+
+  def lower(self):
+    """The train step lowered for the abstract state and batch (what the AOT check compiles)."""
+    with self.context():
+      return self.train_step.lower(self.abstract_state, self.abstract_batch)
+
+  def init_state(self, seed: int) -> state_lib.TrainState:
+    """Fresh state, every array created directly in its shards."""
+    with self.context():
+      return state_lib.init_state(self.ctx.model, self.optimizer.tx, jax.random.key(seed),
+                                  self.state_shardings)
+
+
+def abstract_batch(exp: ExperimentConfig, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  shape = (exp.data.global_batch_size, exp.data.seq_len)
+  sharding = loader.batch_sharding(mesh, shape)
+  return {key: jax.ShapeDtypeStruct(shape, BATCH_DTYPES[key], sharding=sharding)
+          for key in loader.BATCH_KEYS}
+
+
+def build(exp: ExperimentConfig, mesh: jax.sharding.Mesh, *,
+          target_generation: Optional[str] = None) -> Program:
+  """The phase's steps (from c2.steps.STEPS) jitted with explicit shardings on `mesh`."""
+  optimizer = make_optimizer(exp)
+  ctx = step_context(exp, optimizer)
+  abstract = state_lib.abstract_state(exp.model, optimizer.tx)
+  shardings = state_lib.state_shardings(exp.model, optimizer.tx, mesh, abstract)
+  batch = abstract_batch(exp, mesh)
+  batch_shardings = {key: value.sharding for key, value in batch.items()}
+  replicated = NamedSharding(mesh, P())
+  steps = STEPS[exp.phase]
+  train_step = jax.jit(functools.partial(steps.train, ctx=ctx),
+                       in_shardings=(shardings, batch_shardings),
+                       out_shardings=(shardings, replicated), donate_argnums=0)
+  eval_step = jax.jit(functools.partial(steps.eval, ctx=ctx),
+                      in_shardings=(shardings.params, batch_shardings), out_shardings=replicated)
+  return Program(mesh=mesh, optimizer=optimizer, ctx=ctx, state_shardings=shardings,
+                 abstract_state=with_shardings(abstract, shardings), abstract_batch=batch, train_step=train_step,
+                 eval_step=eval_step, target_generation=target_generation)

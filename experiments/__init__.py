@@ -1,0 +1,1 @@
+"""Experiment files (one per phase, `get_config(arg)`) and the layouts they share."""

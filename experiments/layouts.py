@@ -1,0 +1,38 @@
+"""The proxy and full-scale shapes and parallel layouts every phase's experiment file shares.
+
+Each function sets the model preset, sequence length and batch, mesh and AOT target of a scale
+on an experiment ConfigDict; the phase files set only their own data, optimizer and schedule on
+top. The figures are those `python -m c2.aot` measured for experiments/pretrain.py (README).
+"""
+import ml_collections
+
+KIMI_TOKENIZER = "tiktoken:/path/to/kimi/tiktoken.model"
+
+
+def proxy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """~30B-A3B at 32k tokens on 64 v5p chips, one 32k row per chip (fsdp8 x expert8): remat of
+  all but the attention kernel's outputs, 58.0 GiB of 95 per device, FLOP ratio 1.52 (full
+  remat: 46.9 GiB, 1.70; 256 rows: 144 GiB, does not fit)."""
+  c.model.preset = "proxy-30b"
+  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+  c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=64)
+  c.mesh.update(fsdp=-1, expert=8)
+  c.train.update(max_minutes=None, eval_batches=16, ce_chunk_size=8192)
+  c.aot.update(topology="v5p:4x4x4")
+  return c
+
+
+def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The 1.04T Kimi-K2.5 at 32k tokens, 1,024 sequences, on 4096 v5p chips: one sequence per
+  (fsdp, expert) pair split over 4 context shards (context shards split the heads inside the
+  attention kernel, c2/parallel/sharding.py). Bounded expert-parallel buffers (2x the mean load;
+  drops are logged): the dropless worst case would cost EP=16 times the dispatched activations.
+  Remat recomputes all but the attention kernel's outputs (at 32k attention is most of a layer's
+  FLOPs): 55.9 of 95 GiB per device, FLOP ratio 1.61 (full remat: 39.9 GiB, 1.77)."""
+  c.model.preset = "kimi-k2.5"
+  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+  c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=1024)
+  c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
+  c.train.update(max_minutes=None, eval_batches=16, ce_chunk_size=8192)
+  c.aot.update(topology="v5p:16x16x16")
+  return c

@@ -1,0 +1,43 @@
+"""The README's commands stay true: every `python -m c2.main` / `python -m c2.aot` line parses
+with that module's own parser, and the modules they name exist."""
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+
+import c2.aot
+import c2.main
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _python_m_lines():
+  text = (REPO_ROOT / "README.md").read_text()
+  for line in re.findall(r"^.*python -m \S+.*$", text, flags=re.M):
+    words = shlex.split(line.split("#")[0].split("&&")[-1])
+    if words and words[0] == "python" and words[1] == "-m":
+      yield words[2], words[3:]
+
+
+def test_every_module_the_readme_runs_exists():
+  modules = {module for module, _ in _python_m_lines()}
+  assert {"c2.main", "c2.aot", "pytest"} <= modules
+  for module in modules:
+    assert importlib.util.find_spec(module) is not None, module
+
+
+def test_readme_train_and_aot_commands_parse(monkeypatch):
+  monkeypatch.chdir(REPO_ROOT)
+  parsed = {"c2.main": [], "c2.aot": []}
+  for module, args in _python_m_lines():
+    if module == "c2.main":
+      parsed[module].append(c2.main.parse([module, *args])[0])
+    elif module == "c2.aot":
+      parsed[module].append(c2.aot.parse([module, *args]))
+  assert [e.name for e in parsed["c2.main"]] == ["pretrain-tiny"]
+  topologies = [topology for _, topology in parsed["c2.aot"]]
+  assert "tpu7x:8x16x16" in topologies and "v5p:16x16x16" in topologies
+  two_slices = [e for e, t in parsed["c2.aot"] if e.mesh.num_slices == 2]
+  assert len(two_slices) == 1 and two_slices[0].validate_for_devices(2 * 2048)["data"] == 2
+  assert os.path.isfile(REPO_ROOT / "tests/perf/test_aot.py")
