@@ -84,6 +84,7 @@ def test_model_step_with_pallas_kernels_compiles_per_generation(topology):
   assert report.fits
 
 
+@pytest.mark.slow  # three TPU compiles: ~4 minutes of the default suite on 2 cores
 def test_remat_policies_keep_pallas_kernel_outputs_for_the_backward():
   """Under `full` remat the backward pass reruns the forward expert and attention kernels;
   `save_attention` keeps the attention kernel's outputs, `save_dots` the expert kernels' too

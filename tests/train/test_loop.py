@@ -70,11 +70,12 @@ def test_every_auxiliary_loss_is_nonzero_with_gradient(small_experiment):
       "balance": LossWeights(ce_chunk_size=64, mtp_weight=0.0, balance_loss_weight=1.0),
   }
   base = LossWeights(ce_chunk_size=64, mtp_weight=0.0)
-  base_grad = jax.grad(lambda p: lm_loss(exp.model, p, batch, base)[0])(params)
+  # Jitted (one compile per weighting): op-by-op autodiff of the whole model took minutes.
+  loss_and_grad = jax.jit(jax.value_and_grad(lambda p, w: lm_loss(exp.model, p, batch, w)[0]),
+                          static_argnums=1)
+  base_value, base_grad = loss_and_grad(params, base)
   for name, weights in only.items():
-    value, grads = jax.value_and_grad(lambda p, w=weights: lm_loss(exp.model, p, batch, w)[0])(
-        params)
-    base_value = lm_loss(exp.model, params, batch, base)[0]
+    value, grads = loss_and_grad(params, weights)
     assert float(value - base_value) > 1e-4, name
     extra = jax.tree.map(lambda g, b: float(jnp.abs(g - b).sum()), grads, base_grad)
     assert sum(jax.tree.leaves(extra)) > 1e-6, name
