@@ -11,6 +11,8 @@ N qk_nope_head_dim, R qk_rope_head_dim, K = N + R (query/key head dim), J v_head
   k     = [k_nope | RoPE(k_rope) broadcast to every head]
   out   = softmax(q k^T * scale) v @ W_o          [B, T, D]
 The training path expands keys/values per head (cheaper for long prefill than the absorbed form).
+With a `cache` (decoding, c2/infer) the layer instead attends over the latent cache in the
+weight-absorbed form (c2/model/latent_cache.py) and returns its new cache entries.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from c2.model.config import YarnScaling
+from c2.model.latent_cache import LayerCacheView, absorbed_attention
 from c2.model.layers import RMSNorm, default_init, logical_param
 from c2.model.rope import apply_rotary, rotary_angles
 from c2.ops.attention import attention
@@ -49,8 +52,12 @@ class MLAttention(nn.Module):
     return logical_param(self, name, shape, axes, default_init(), self.param_dtype).astype(self.dtype)
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-    """x [B, T, D], segment_ids [B, T] (0 = padding), positions [B, T] -> [B, T, D]."""
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+               cache: Optional[LayerCacheView] = None):
+    """x [B, T, D], segment_ids [B, T] (0 = padding), positions [B, T] -> [B, T, D].
+
+    With a cache: -> ([B, T, D], new entries [B, T, L + R] = [c_kv | rotated k_rope]).
+    """
     d = x.shape[-1]
     h, n, r, j, l = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
                      self.v_head_dim, self.kv_lora_rank)
@@ -70,14 +77,22 @@ class MLAttention(nn.Module):
     kv_a = jnp.einsum("BTD,DL->BTL", x, self._weight("kv_a", (d, l + r), ("embed", "kv_lora")))
     c_kv, k_rope = kv_a[..., :l], kv_a[..., l:]  # [B, T, L], [B, T, R]
     c_kv = norm("kv_a_norm")(c_kv)
-    kv = jnp.einsum("BTL,LHK->BTHK", c_kv,
-                    self._weight("kv_b", (l, h, n + j), ("kv_lora", "heads", "head_dim")))
-    kv = constrain(kv, ("batch", "length", "act_heads", None))
-    k_nope, v = kv[..., :n], kv[..., n:]
-
+    kv_b = self._weight("kv_b", (l, h, n + j), ("kv_lora", "heads", "head_dim"))
+    w_out = self._weight("out", (h, j, d), ("heads", "head_dim", "embed"))
     cos, sin = rotary_angles(positions, r, self.rope_theta, self.rope_scaling)  # [B, T, R/2]
     q_rope = apply_rotary(q_rope, cos, sin)  # [B, T, H, R]
     k_rope = apply_rotary(k_rope, cos, sin)  # [B, T, R], one rotary key shared by all heads
+
+    if cache is not None:
+      out = absorbed_attention(q_nope, q_rope, c_kv, k_rope, kv_b, cache,
+                               scale=self.softmax_scale, new_valid=segment_ids != 0)
+      y = jnp.einsum("BTHJ,HJD->BTD", out, w_out)
+      return (constrain(y, ("batch", "length", "act_embed")),
+              jnp.concatenate([c_kv, k_rope], axis=-1))  # [B, T, L + R]
+
+    kv = jnp.einsum("BTL,LHK->BTHK", c_kv, kv_b)
+    kv = constrain(kv, ("batch", "length", "act_heads", None))
+    k_nope, v = kv[..., :n], kv[..., n:]
     q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, H, K]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (r,))],
                         axis=-1)  # [B, T, H, K]
@@ -85,5 +100,5 @@ class MLAttention(nn.Module):
     out = attention(q, k, v, scale=self.softmax_scale, segment_ids=segment_ids,
                     impl=self.attention_impl)  # [B, T, H, J]
     out = constrain(out, ("batch", "length", "act_heads", None))
-    y = jnp.einsum("BTHJ,HJD->BTD", out, self._weight("out", (h, j, d), ("heads", "head_dim", "embed")))
+    y = jnp.einsum("BTHJ,HJD->BTD", out, w_out)
     return constrain(y, ("batch", "length", "act_embed"))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from c2.model.config import ModelConfig
 from c2.model import dispatch
 from c2.model.attention import MLAttention
+from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
 from c2.model.layers import GatedFFN, RMSNorm
 from c2.ops import splash_attention
 from c2.model.moe import MoE
@@ -28,20 +29,26 @@ class DecoderBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-               forced_routes: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-    """x [B, T, D] -> (x [B, T, D], aux); aux is {} for dense blocks (see `MoE`)."""
+               forced_routes: Optional[jax.Array] = None,
+               cache: Optional[LayerCacheView] = None) -> tuple[jax.Array, dict]:
+    """x [B, T, D] -> (x [B, T, D], aux); aux is {} for dense blocks (see `MoE`). With a cache
+    (decoding) aux also holds `kv_entries` [B, T, L + R], the new tokens' cache entries."""
     cfg = self.cfg
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     attn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="attn_norm")(x)
-    x = x + MLAttention(
+    attn_out = MLAttention(
         num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
         softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl, dtype=dtype,
-        param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions)
+        param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions, cache)
+    cache_aux = {}
+    if cache is not None:
+      attn_out, cache_aux["kv_entries"] = attn_out
+    x = x + attn_out
     ffn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="ffn_norm")(x)
     if not self.use_moe:
-      return x + GatedFFN(cfg.dense_ffn_size, dtype, param_dtype, name="mlp")(ffn_in), {}
+      return x + GatedFFN(cfg.dense_ffn_size, dtype, param_dtype, name="mlp")(ffn_in), cache_aux
     y, aux = MoE(
         num_experts=cfg.num_routed_experts, experts_per_token=cfg.experts_per_token,
         expert_ffn_size=cfg.moe_ffn_size, shared_ffn_size=cfg.shared_ffn_size,
@@ -50,7 +57,7 @@ class DecoderBlock(nn.Module):
         gmm_fmt=cfg.gmm_fmt, gmm_bwd_fmt=cfg.gmm_bwd_fmt, dispatch_fmt=cfg.dispatch_fmt,
         a2a_impl=cfg.a2a_impl, ep_capacity_factor=cfg.ep_capacity_factor, dtype=dtype, param_dtype=param_dtype,
         name="moe")(ffn_in, segment_ids, forced_routes)
-    return x + y, aux
+    return x + y, {**aux, **cache_aux}
 
 
 def remat_policy(name: str):
@@ -84,17 +91,39 @@ class BlockStack(nn.Module):
   num_layers: int
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, forced_routes=None):
-    """forced_routes: None or [num_layers, B, T, K]. Returns (x, aux stacked over layers)."""
+  def __call__(self, x, segment_ids, positions, forced_routes=None, cache=None):
+    """forced_routes: None or [num_layers, B, T, K]. Returns (x, aux stacked over layers).
+
+    cache (decoding): (stack [num_layers, slots, S, L + R], rows [B] slot ids, lengths [B]).
+    The stack rides in the scan carry so each layer's new entries are written in place; the
+    updated stack is returned as aux["kv_cache"].
+    """
     block = DecoderBlock
-    if self.cfg.remat_policy != "none":
+    if self.cfg.remat_policy != "none" and cache is None:
       block = nn.remat(block, policy=remat_policy(self.cfg.remat_policy), prevent_cse=False)
-
-    def body(module, carry, layer_routes):
-      return module(carry, segment_ids, positions, layer_routes)
-
-    scanned = nn.scan(
+    scan = lambda body: nn.scan(
         body, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=0, length=self.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
-    return scanned(block(self.cfg, self.use_moe, name="block"), x, forced_routes)
+    module = block(self.cfg, self.use_moe, name="block")
+
+    if cache is None:
+      def body(module, carry, layer_routes):
+        return module(carry, segment_ids, positions, layer_routes)
+
+      return scan(body)(module, x, forced_routes)
+
+    stack, rows, lengths = cache
+    valid = segment_ids != 0
+
+    def cached_body(module, carry, scanned):
+      x, stack = carry
+      layer, layer_routes = scanned
+      view = LayerCacheView(read_rows(stack, layer, rows), lengths)
+      x, aux = module(x, segment_ids, positions, layer_routes, view)
+      stack = write_entries(stack, layer, rows, lengths, aux.pop("kv_entries"), valid)
+      return (x, stack), aux
+
+    layers = jnp.arange(self.num_layers, dtype=jnp.int32)
+    (x, stack), aux = scan(cached_body)(module, (x, stack), (layers, forced_routes))
+    return x, {**aux, "kv_cache": stack}

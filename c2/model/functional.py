@@ -22,7 +22,9 @@ import jax.numpy as jnp
 
 from c2.losses import moe_balance
 from c2.model.config import ModelConfig
-from c2.model.transformer import Transformer
+from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
+from c2.model.layers import Embed
+from c2.model.transformer import MTPModule, Transformer
 from c2.parallel import sharding
 
 Params = Any
@@ -65,9 +67,31 @@ def init_params(cfg: ModelConfig, rng: jax.Array, mesh: Optional[jax.sharding.Me
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
             forced_routes: Optional[jax.Array] = None, with_mtp: bool = True,
-            detach_mtp_inputs: bool = False) -> dict:
+            detach_mtp_inputs: bool = False, cache: Optional[tuple] = None) -> dict:
+  """See `Transformer.__call__`; `cache` = (stacks, rows, lengths) runs the decoding form."""
   return build(cfg).apply({"params": params}, tokens, segment_ids, positions, forced_routes,
-                          with_mtp, detach_mtp_inputs)
+                          with_mtp, detach_mtp_inputs, cache)
+
+
+def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Array,
+             next_tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+             stack: jax.Array, rows: Optional[jax.Array], lengths: jax.Array) -> dict:
+  """One MTP module over new tokens with its latent cache (speculative drafting, c2/infer).
+
+  prev_hidden [B, T, D]: the trunk's pre-norm hidden (depth 0) or the previous draft's `h`;
+  next_tokens [B, T]: token t + 1 of each position; stack [M, slots, S, C] the MTP caches,
+  `depth` (0-based) picks the module and its layer of the stack.
+  -> dict(h [B, T, D] pre-norm, hidden [B, T, D] normed (project with head_kernel), kv_cache
+  (updated stack), aux).
+  """
+  module_params = params[f"mtp_{depth}"]
+  embeddings = Embed(cfg.vocab_size, cfg.hidden_size, jnp.dtype(cfg.dtype),
+                     jnp.dtype(cfg.param_dtype)).apply({"params": params["embed"]}, next_tokens)
+  view = LayerCacheView(read_rows(stack, depth, rows), lengths)
+  h, hidden, aux = MTPModule(cfg).apply({"params": module_params}, prev_hidden, embeddings,
+                                        segment_ids, positions, view)
+  stack = write_entries(stack, depth, rows, lengths, aux.pop("kv_entries"), segment_ids != 0)
+  return {"h": h, "hidden": hidden, "kv_cache": stack, "aux": aux}
 
 
 def head_kernel(cfg: ModelConfig, params: Params) -> jax.Array:

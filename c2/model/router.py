@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 
+NOT_RECORDED = -1  # a forced-route row of this value lets the token route itself
+
+
 @dataclasses.dataclass(frozen=True)
 class Routes:
   expert_ids: jax.Array  # [N, K] int32
@@ -39,16 +42,18 @@ def group_limited_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.
 def route(x: jax.Array, kernel: jax.Array, bias: jax.Array, *, top_k: int, n_group: int,
           topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
           forced_expert_ids: Optional[jax.Array] = None) -> Routes:
-  """x [N, D], kernel [D, E], bias [E]. `forced_expert_ids` [N, K] replays recorded routes."""
+  """x [N, D], kernel [D, E], bias [E]. `forced_expert_ids` [N, K] replays recorded routes; a
+  token whose forced row is negative (NOT_RECORDED) routes itself (e.g. the last sampled token,
+  which the sampler never fed to the model)."""
   logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), kernel.astype(jnp.float32))
   scores = jax.nn.sigmoid(logits)
-  if forced_expert_ids is None:
-    choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
-    if n_group > 1:
-      choice = jnp.where(group_limited_mask(choice, n_group, topk_group), choice, -jnp.inf)
-    _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
-  else:
-    expert_ids = forced_expert_ids
+  choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  if n_group > 1:
+    choice = jnp.where(group_limited_mask(choice, n_group, topk_group), choice, -jnp.inf)
+  _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
+  if forced_expert_ids is not None:
+    forced = forced_expert_ids.astype(jnp.int32)
+    expert_ids = jnp.where(forced[:, :1] >= 0, forced, expert_ids)
   expert_ids = expert_ids.astype(jnp.int32)
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [N, K]
   if norm_topk_prob:

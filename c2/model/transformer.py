@@ -31,8 +31,10 @@ class MTPModule(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, prev_hidden, next_embeddings, segment_ids, positions):
-    """prev_hidden, next_embeddings [B, T, D] -> (h [B, T, D] pre-norm, normed hidden, aux)."""
+  def __call__(self, prev_hidden, next_embeddings, segment_ids, positions, cache=None):
+    """prev_hidden, next_embeddings [B, T, D] -> (h [B, T, D] pre-norm, normed hidden, aux).
+
+    cache: None or a LayerCacheView (decoding); aux then holds the new `kv_entries`."""
     cfg = self.cfg
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
@@ -42,8 +44,8 @@ class MTPModule(nn.Module):
                             param_dtype)
     h = jnp.einsum("BTX,XD->BTD", joined, eh_proj.astype(dtype))  # X = 2D
     h = constrain(h, ("batch", "length", "act_embed"))
-    h, aux = DecoderBlock(cfg, use_moe=cfg.num_moe_layers > 0, name="block")(h, segment_ids,
-                                                                               positions)
+    h, aux = DecoderBlock(cfg, use_moe=cfg.num_moe_layers > 0, name="block")(
+        h, segment_ids, positions, None, cache)
     return h, norm("head_norm")(h), aux
 
 
@@ -66,7 +68,8 @@ class Transformer(nn.Module):
 
   def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None,
                positions: Optional[jax.Array] = None, forced_routes: Optional[jax.Array] = None,
-               with_mtp: bool = True, detach_mtp_inputs: bool = False) -> dict:
+               with_mtp: bool = True, detach_mtp_inputs: bool = False,
+               cache: Optional[tuple] = None) -> dict:
     """tokens [B, T] -> dict(hidden [B, T, D] final-normed, mtp_hidden [M, B, T, D], aux).
 
     segment_ids default to one document per row, positions to 0..T-1. forced_routes
@@ -74,6 +77,11 @@ class Transformer(nn.Module):
     detach_mtp_inputs stops MTP gradients at the trunk's hidden state and the embeddings, so an
     MTP loss trains only the MTP modules (Composer 2 attaches MTP to a pretrained trunk).
     aux: moe/{load [L, E], balance_loss [L], routes [L, B, T, K]} and the same under mtp_moe.
+
+    cache (decoding, c2/infer): (stacks {"dense": [Ld, slots, S, C], "moe": [L, slots, S, C]},
+    rows [B] slot ids or None for all, lengths [B] tokens cached per row). Adds to the output
+    `kv_cache` (the updated stacks) and `trunk_hidden` [B, T, D] (last block, before the final
+    norm: the MTP modules' input); MTP is not run (c2.model.mtp_step drafts with it).
     """
     cfg = self.cfg
     b, t = tokens.shape
@@ -82,12 +90,20 @@ class Transformer(nn.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = self.embed(tokens)
+    aux, stacks = {}, {}
+    stack_cache = lambda name: None if cache is None else (cache[0][name],) + tuple(cache[1:])
     if cfg.first_k_dense:
-      x, _ = self.dense_layers(x, segment_ids, positions)
-    aux = {}
+      x, dense_aux = self.dense_layers(x, segment_ids, positions, None, stack_cache("dense"))
+      if cache is not None:
+        stacks["dense"] = dense_aux["kv_cache"]
     if cfg.num_moe_layers:
-      x, aux["moe"] = self.moe_layers(x, segment_ids, positions, forced_routes)
+      x, aux["moe"] = self.moe_layers(x, segment_ids, positions, forced_routes,
+                                      stack_cache("moe"))
+      if cache is not None:
+        stacks["moe"] = aux["moe"].pop("kv_cache")
     out = {"hidden": self.final_norm(x), "aux": aux}
+    if cache is not None:
+      return {**out, "kv_cache": stacks, "trunk_hidden": x}
     if with_mtp and cfg.mtp_depth:
       maybe_detach = jax.lax.stop_gradient if detach_mtp_inputs else (lambda a: a)
       prev, mtp_hidden, mtp_aux = maybe_detach(x), [], []

@@ -1,0 +1,93 @@
+"""MLA's latent KV cache and attention over it in the weight-absorbed form (decoding).
+
+Glossary: B rows (cache slots in this call), T new tokens per row, S cache capacity, H heads,
+L kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, J v_head_dim, C = L + R, Y layers.
+
+Per token and layer the cache holds only what MLA compresses keys and values into: the normed
+latent c_kv [L] and the rotated rope key k_rope [R] (576 values at full scale, 1/32 of expanded
+K/V for 64 heads). Attention never expands them per head; it absorbs kv_b into the query and the
+output instead (algorithms.md 4.2):
+  W_uk, W_uv = kv_b[..., :N], kv_b[..., N:]                   [L, H, N], [L, H, J]
+  q_lat  = q_nope @ W_uk^T                                    [B, T, H, L]
+  score  = (q_lat . c_kv + q_rope . k_rope) * scale           [B, H, T, S]
+  out    = (softmax(score) @ c_kv) @ W_uv                     [B, T, H, J]
+which is the expanded form's function reassociated.
+
+A call attends over two key sets with one softmax: the row's cached tokens (positions below
+`lengths`) and the call's own new tokens (causal among themselves). The new entries are returned,
+not written: the caller scatters them into the stacked cache it carries across layers, which XLA
+updates in place, instead of copying a layer's cache to write a few tokens into it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from c2.ops.attention import _MASK_VALUE
+
+
+@flax.struct.dataclass
+class LayerCacheView:
+  """What one attention layer sees of the cache for this call's rows."""
+
+  kv: jax.Array  # [B, S, C] cached [c_kv | k_rope] of earlier tokens
+  lengths: jax.Array  # [B] int32: tokens already cached per row; new token t sits at lengths + t
+
+
+def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Array,
+                       new_rope_key: jax.Array, kv_b: jax.Array, cache: LayerCacheView, *,
+                       scale: float, new_valid: jax.Array) -> jax.Array:
+  """Attention of T new queries over cached + new keys, without expanding per-head K/V.
+
+  q_nope [B, T, H, N], q_rope [B, T, H, R] (rotated), new_latent [B, T, L] (normed),
+  new_rope_key [B, T, R] (rotated), kv_b [L, H, N + J], new_valid [B, T] bool (False: padding,
+  neither a query that matters nor a key) -> [B, T, H, J] in the dtype of q_nope.
+  """
+  n, l = q_nope.shape[-1], new_latent.shape[-1]
+  w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]  # [L, H, N], [L, H, J]
+  cached_latent, cached_rope_key = cache.kv[..., :l], cache.kv[..., l:]
+  f32 = jnp.float32
+  q_lat = jnp.einsum("BTHN,LHN->BTHL", q_nope, w_uk, preferred_element_type=f32)
+
+  def scores(latent, rope_key):  # keys [B, S', L] and [B, S', R] -> [B, H, T, S'] float32
+    return (jnp.einsum("BTHL,BSL->BHTS", q_lat, latent.astype(f32)) +
+            jnp.einsum("BTHR,BSR->BHTS", q_rope, rope_key.astype(q_rope.dtype),
+                       preferred_element_type=f32)) * scale
+
+  t, s = q_nope.shape[1], cache.kv.shape[1]
+  old_visible = jnp.arange(s)[None, :] < cache.lengths[:, None]  # [B, S]
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T, T]
+  new_visible = causal[None] & new_valid[:, None, :]  # [B, T, T]
+  old = jnp.where(old_visible[:, None, None, :], scores(cached_latent, cached_rope_key), _MASK_VALUE)
+  new = jnp.where(new_visible[:, None], scores(new_latent, new_rope_key), _MASK_VALUE)
+  probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)  # [B, H, T, S + T]
+  out_lat = (jnp.einsum("BHTS,BSL->BTHL", probs[..., :s], cached_latent.astype(f32)) +
+             jnp.einsum("BHTS,BSL->BTHL", probs[..., s:], new_latent.astype(f32)))
+  out = jnp.einsum("BTHL,LHJ->BTHJ", out_lat.astype(q_nope.dtype), w_uv,
+                   preferred_element_type=f32)
+  return out.astype(q_nope.dtype)
+
+
+def write_entries(stack: jax.Array, layer: jax.Array | int, rows: Optional[jax.Array],
+                  lengths: jax.Array, entries: jax.Array, valid: jax.Array) -> jax.Array:
+  """Scatters new [c_kv | k_rope] entries into a layer of the stacked cache (in place under jit).
+
+  stack [Y, slots, S, C]; rows [B] slot ids (None: every slot, B = slots); entries [B, T, C] for
+  positions lengths + t; padding (valid False) and positions past S are dropped, never wrapped.
+  """
+  b, t, _ = entries.shape
+  s = stack.shape[2]
+  if rows is None:
+    rows = jnp.arange(b)
+  positions = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+  positions = jnp.where(valid, positions, s)  # out of bounds: dropped
+  return stack.at[layer, rows[:, None], positions].set(entries.astype(stack.dtype), mode="drop")
+
+
+def read_rows(stack: jax.Array, layer: jax.Array | int, rows: Optional[jax.Array]) -> jax.Array:
+  """stack [Y, slots, S, C] -> [B, S, C]: one layer's cache for this call's rows (None: all)."""
+  layer_cache = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
+  return layer_cache if rows is None else layer_cache[rows]
