@@ -28,7 +28,7 @@ setup(
                                     "experiments"]),
     install_requires=CORE,
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "openai==3.60.0"],
         # Test-time numerics references and Hugging Face checkpoint import/export.
         "hf": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
         # libtpu for TPU runs and for AOT compilation to TPU topologies from a CPU host.

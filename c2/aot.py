@@ -7,6 +7,10 @@ TPU needed; c2.perf.aot) and prints per-device HBM against the chip's, compiled 
 their ratio to the analytic useful FLOPs, and the collectives. Exits 1 when it does not fit.
 --topology takes a topology (v5p:4x4x8) or an accelerator type (v5p-256, v6e-64, tpu7x-128) and
 defaults to the experiment's `aot.topology`; --num-slices N is `--config.mesh.num_slices=N`.
+
+  python -m c2.aot --decode --preset kimi-k2.5 --topology v5p:4x4x8 --slots 512 --capacity 131072
+
+compiles the serving decode step instead (c2.perf.aot_decode; --help there).
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ def parse(argv: list[str]):
 
 def main(argv: Optional[list[str]] = None) -> int:
   argv = sys.argv if argv is None else argv
+  if "--decode" in argv[1:]:  # the serving decode step: its own flags (c2.perf.aot_decode)
+    from c2.perf import aot_decode  # pylint: disable=import-outside-toplevel
+    return aot_decode.main([a for a in argv[1:] if a != "--decode"])
   if any(a in ("-h", "--help") for a in argv[1:]):
     print(__doc__.strip())
     return 0

@@ -219,3 +219,15 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping],
       pending_trainable = segment.trainable
   flush_text()
   return RenderedChat(ids, mask)
+
+
+def render_generation_prompt(tokenizer: Tokenizer, messages: Sequence[Mapping],
+                             tools: Sequence[Mapping] | None = None, *, thinking: bool = True,
+                             **options) -> list[int]:
+  """Token ids to generate the next assistant reply from: the conversation as the model saw it in
+  training (`history_reasoning="template"`, i.e. the Jinja template) plus an open
+  `<|im_assistant|>assistant<|im_middle|><think>` header (`<think></think>` without thinking).
+  The reply then starts inside the reasoning iff `thinking`: parse it with
+  `c2.data.tool_calls.parse_assistant_ids(..., in_reasoning=thinking)`."""
+  return render_chat(tokenizer, messages, tools, add_generation_prompt=True, thinking=thinking,
+                     **options).token_ids

@@ -1,0 +1,96 @@
+"""Sampling distributions (temperature, top-k, top-p, greedy), seeded per request and position.
+
+Glossary: B rows, V vocabulary, D draft tokens.
+
+Everything here is pure and vectorised over rows, each row with its own settings, so one jitted
+decode step serves a batch of requests with different temperatures. `sampling_logprobs` returns
+the log-probabilities of the distribution tokens are actually drawn from (after temperature and
+truncation; -inf outside the kept set). Greedy rows (temperature 0) draw from a point mass on the
+argmax; the log-probability they report is the model's own (temperature 1, untruncated), since a
+point mass would report 0 for every token.
+
+Randomness is a function of (request seed, position of the token drawn, stream), never of the
+batch a request happens to share: a request's tokens do not change when it is batched
+differently (continuous vs static batching give the same sequences).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+# Random streams of one position (speculative decoding needs several independent draws there).
+SAMPLE, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request decoding settings (OpenAI names where one exists)."""
+
+  max_new_tokens: int = 256
+  temperature: float = 1.0  # 0: greedy
+  top_p: float = 1.0
+  top_k: int = 0  # 0: no limit
+  seed: int = 0
+  stop_token_ids: Sequence[int] = ()
+  stop: Sequence[str] = ()  # stop strings (needs the engine's detokenizer)
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+
+
+def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                      top_p: jax.Array) -> jax.Array:
+  """logits [B, V]; temperature, top_p [B] float; top_k [B] int -> log-probs [B, V] float32.
+
+  Top-k keeps the k largest logits, then top-p keeps the smallest prefix (by probability) of what
+  is left whose mass reaches p; ties at a threshold are kept. Greedy rows: 0 at the argmax.
+  """
+  logits = logits.astype(jnp.float32)
+  v = logits.shape[-1]
+  greedy = temperature <= 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [B, 1]
+  ordered = jnp.where(ordered >= kth, ordered, NEG_INF)
+  probs = jax.nn.softmax(ordered, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
+  kept = (mass_before < top_p[:, None]) & (ordered > NEG_INF)
+  threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+  truncated = jnp.where(scaled >= threshold, scaled, NEG_INF)
+  logprobs = jax.nn.log_softmax(truncated, axis=-1)
+  point_mass = jnp.where(jnp.arange(v)[None, :] == jnp.argmax(logits, -1)[:, None], 0.0, NEG_INF)
+  return jnp.where(greedy[:, None], point_mass, logprobs)
+
+
+def reported_logprobs(logits: jax.Array, dist: jax.Array, temperature: jax.Array) -> jax.Array:
+  """What a drawn token reports: its sampling log-prob, or the model's own for greedy rows."""
+  return jnp.where((temperature <= 0)[:, None], jax.nn.log_softmax(logits.astype(jnp.float32)),
+                   dist)
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
+  """A key per row from (seed [B], position [B] of the token being drawn, stream)."""
+  def one(seed, position):
+    key = jax.random.fold_in(jax.random.key(0), seed)
+    return jax.random.fold_in(jax.random.fold_in(key, position), stream)
+
+  return jax.vmap(one)(seeds.astype(jnp.uint32), positions.astype(jnp.uint32))
+
+
+def draw(dist: jax.Array, keys: jax.Array) -> jax.Array:
+  """One token per row from log-probs [B, V] (Gumbel-max) -> int32 [B]."""
+  gumbel = jax.vmap(lambda key: jax.random.gumbel(key, dist.shape[-1:], jnp.float32))(keys)
+  return jnp.argmax(dist + gumbel, axis=-1).astype(jnp.int32)
