@@ -156,3 +156,19 @@ def test_stop_tokens_and_max_tokens(small_cfg, params, prompts, reference):
   assert result.token_ids == reference[3][:first + 1]
   assert result.finish_reason == "stop" and result.stop == stop
   assert result.routes.shape[0] == len(prompts[3]) + first
+
+
+def test_low_precision_experts_match_the_trainer(small_cfg, params, prompts):
+  """gmm_fmt reaches the sampler's expert matmuls exactly as the trainer's: NVFP4 experts (Pallas
+  kernel, interpreted on CPU) give the trainer's log-probs under replay, and differ from bf16."""
+  cfg = small_cfg.replace(gmm_impl="pallas", gmm_fmt="nvfp4")
+  engine = Engine(cfg, params, slots=1, capacity=32, prefill_chunk=16)
+  [result] = engine.generate([Request(prompts[1][:12], SamplingParams(
+      max_new_tokens=4, temperature=1.0, seed=1))])
+  tokens = jnp.array([result.prompt_ids + result.token_ids])
+  forced = jnp.asarray(forced_routes(result))
+  trainer = lambda c: jax.nn.log_softmax(model.forward(
+      c, params, tokens, forced_routes=forced, with_mtp=False)["hidden"][0] @ model.head_kernel(
+          c, params), -1)[jnp.arange(11, 15), tokens[0, 12:]]
+  np.testing.assert_allclose(trainer(cfg), result.logprobs, atol=1e-5, rtol=0)
+  assert np.abs(np.asarray(trainer(small_cfg)) - result.logprobs).max() > 1e-3
