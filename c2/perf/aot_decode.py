@@ -201,7 +201,7 @@ def parse_mesh(text: Optional[str]) -> Optional[dict]:
   return {name.strip(): int(size) for name, size in pairs}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m c2.perf.aot_decode",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--preset", default="kimi-k2.5")
@@ -212,7 +212,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--cache-dtype", default=None, help="default: the compute dtype (bf16)")
   parser.add_argument("--auto-cache-layout", action="store_true",
                       help="let XLA pick the cache's HBM layout (no copy around the layer scan)")
-  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  return parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  args = parse_args(argv)
   # Compile-only libtpu (as c2.aot): no metadata server, several AOT processes per host.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
