@@ -2,6 +2,8 @@
 
   python -m c2.bench gmm            # grouped-matmul kernels: errors per format, AOT cost, speed
   python -m c2.bench gmm --help
+  python -m c2.bench decode --workdir runs/tiny   # inference engine vs transformers, speculative,
+                                                 # continuous batching
 
 Each benchmark lives in its own c2/perf/bench_<name>.py so adding one never edits another. A
 benchmark exits non-zero when a path it measures disagrees with its reference beyond tolerance:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from c2.model.config import ModelConfig
 from c2.model import dispatch
 from c2.model.attention import MLAttention
-from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
+from c2.model.latent_cache import LayerCacheView, write_entries
 from c2.model.layers import GatedFFN, RMSNorm
 from c2.ops import splash_attention
 from c2.model.moe import MoE
@@ -94,9 +94,11 @@ class BlockStack(nn.Module):
   def __call__(self, x, segment_ids, positions, forced_routes=None, cache=None):
     """forced_routes: None or [num_layers, B, T, K]. Returns (x, aux stacked over layers).
 
-    cache (decoding): (stack [num_layers, slots, S, L + R], rows [B] slot ids, lengths [B]).
-    The stack rides in the scan carry so each layer's new entries are written in place; the
-    updated stack is returned as aux["kv_cache"].
+    cache (decoding): (stack [num_layers, slots, S, L + R], rows [B] slot ids or None for all
+    slots, lengths [B]). Layers read their slice of the stack; the new entries of every layer
+    come out of the scan and go into the stack in one scatter after it (in place on a donated
+    cache: writing inside the scan made XLA copy the whole stack per layer). The updated stack
+    is returned as aux["kv_cache"].
     """
     block = DecoderBlock
     if self.cfg.remat_policy != "none" and cache is None:
@@ -114,16 +116,12 @@ class BlockStack(nn.Module):
       return scan(body)(module, x, forced_routes)
 
     stack, rows, lengths = cache
-    valid = segment_ids != 0
 
-    def cached_body(module, carry, scanned):
-      x, stack = carry
-      layer, layer_routes = scanned
-      view = LayerCacheView(read_rows(stack, layer, rows), lengths)
-      x, aux = module(x, segment_ids, positions, layer_routes, view)
-      stack = write_entries(stack, layer, rows, lengths, aux.pop("kv_entries"), valid)
-      return (x, stack), aux
+    def cached_body(module, x, scanned):
+      layer_cache, layer_routes = scanned  # [slots, S, C], one layer's slice of the stack
+      view = LayerCacheView(layer_cache if rows is None else layer_cache[rows], lengths)
+      return module(x, segment_ids, positions, layer_routes, view)
 
-    layers = jnp.arange(self.num_layers, dtype=jnp.int32)
-    (x, stack), aux = scan(cached_body)(module, (x, stack), (layers, forced_routes))
+    x, aux = scan(cached_body)(module, x, (stack, forced_routes))
+    stack = write_entries(stack, rows, lengths, aux.pop("kv_entries"), segment_ids != 0)
     return x, {**aux, "kv_cache": stack}

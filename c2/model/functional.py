@@ -90,7 +90,9 @@ def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Arra
   view = LayerCacheView(read_rows(stack, depth, rows), lengths)
   h, hidden, aux = MTPModule(cfg).apply({"params": module_params}, prev_hidden, embeddings,
                                         segment_ids, positions, view)
-  stack = write_entries(stack, depth, rows, lengths, aux.pop("kv_entries"), segment_ids != 0)
+  layer = jax.lax.dynamic_slice_in_dim(stack, depth, 1, axis=0)
+  layer = write_entries(layer, rows, lengths, aux.pop("kv_entries")[None], segment_ids != 0)
+  stack = jax.lax.dynamic_update_slice_in_dim(stack, layer, depth, axis=0)
   return {"h": h, "hidden": hidden, "kv_cache": stack, "aux": aux}
 
 

@@ -15,8 +15,8 @@ which is the expanded form's function reassociated.
 
 A call attends over two key sets with one softmax: the row's cached tokens (positions below
 `lengths`) and the call's own new tokens (causal among themselves). The new entries are returned,
-not written: the caller scatters them into the stacked cache it carries across layers, which XLA
-updates in place, instead of copying a layer's cache to write a few tokens into it.
+not written: the caller scatters every layer's entries into the stack at once, after the layer
+scan, so the cache is only read inside the scan and updated in place outside it.
 """
 from __future__ import annotations
 
@@ -71,20 +71,22 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Arr
   return out.astype(q_nope.dtype)
 
 
-def write_entries(stack: jax.Array, layer: jax.Array | int, rows: Optional[jax.Array],
-                  lengths: jax.Array, entries: jax.Array, valid: jax.Array) -> jax.Array:
-  """Scatters new [c_kv | k_rope] entries into a layer of the stacked cache (in place under jit).
+def write_entries(stack: jax.Array, rows: Optional[jax.Array], lengths: jax.Array,
+                  entries: jax.Array, valid: jax.Array) -> jax.Array:
+  """Scatters new [c_kv | k_rope] entries of every layer into the stacked cache, in one scatter
+  (in place under jit when the cache is donated).
 
-  stack [Y, slots, S, C]; rows [B] slot ids (None: every slot, B = slots); entries [B, T, C] for
-  positions lengths + t; padding (valid False) and positions past S are dropped, never wrapped.
+  stack [Y, slots, S, C]; rows [B] slot ids (None: every slot, B = slots); entries [Y, B, T, C]
+  for positions lengths + t; padding (valid [B, T] False) and positions past S are dropped,
+  never wrapped.
   """
-  b, t, _ = entries.shape
+  _, b, t, _ = entries.shape
   s = stack.shape[2]
   if rows is None:
     rows = jnp.arange(b)
   positions = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
   positions = jnp.where(valid, positions, s)  # out of bounds: dropped
-  return stack.at[layer, rows[:, None], positions].set(entries.astype(stack.dtype), mode="drop")
+  return stack.at[:, rows[:, None], positions].set(entries.astype(stack.dtype), mode="drop")
 
 
 def read_rows(stack: jax.Array, layer: jax.Array | int, rows: Optional[jax.Array]) -> jax.Array:
