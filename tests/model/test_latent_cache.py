@@ -3,6 +3,8 @@
 Float32, tolerance 1e-5 on logits of size ~5: the two forms differ only in summation order
 (~1e-6 measured); a wrong mask, position or cache slot is O(1).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,9 @@ def _setup(cfg, slots=3, capacity=48):
   return params, cache
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _chunk(cfg, params, stacks, tokens, rows, starts):
+  """Jitted (eager dispatch of the scanned model costs minutes); one compile per chunk shape."""
   t = tokens.shape[1]
   out = model.forward(cfg, params, tokens, jnp.ones_like(tokens), starts[:, None] + jnp.arange(t),
                       with_mtp=False, cache=(stacks, rows, starts))
@@ -69,14 +73,15 @@ def test_mtp_step_matches_training_mtp_head(small_cfg):
   params, cache = _setup(cfg)
   tokens = jax.random.randint(jax.random.key(5), (1, 16), 0, cfg.vocab_size)
   expected = model.mtp_logits(cfg, params, tokens)[0, 0, :-1]  # depth 1; last has no next token
-  trunk = model.forward(cfg, params, tokens, with_mtp=False,
-                        cache=(cache.trunk_stacks, jnp.array([0]), jnp.zeros(1, jnp.int32)))
+  trunk = _chunk(cfg, params, cache.trunk_stacks, tokens, jnp.array([0]),
+                 jnp.zeros(1, jnp.int32))[0]
   stack, got = cache.stacks["mtp"], []
   for start, end in ((0, 7), (7, 8), (8, 15)):  # the MTP cache filled in uneven chunks
     t = end - start
-    out = model.mtp_step(cfg, params, 0, trunk["trunk_hidden"][:, start:end],
-                         tokens[:, start + 1:end + 1], jnp.ones((1, t), jnp.int32),
-                         start + jnp.arange(t)[None], stack, jnp.array([0]), jnp.full(1, start))
+    out = jax.jit(model.mtp_step, static_argnums=(0, 2))(
+        cfg, params, 0, trunk["trunk_hidden"][:, start:end],
+        tokens[:, start + 1:end + 1], jnp.ones((1, t), jnp.int32), start + jnp.arange(t)[None],
+        stack, jnp.array([0]), jnp.full(1, start))
     stack = out["kv_cache"]
     got.append(out["hidden"][0] @ model.head_kernel(cfg, params))
   np.testing.assert_allclose(jnp.concatenate(got), expected, atol=TOL, rtol=0)
