@@ -31,8 +31,51 @@ class DoesNotFit(RuntimeError):
   """XLA refused to compile: the program needs far more HBM than the chip has."""
 
 
+class HbmUse:
+  """Peak HBM per device of a compiled executable, shared by the train-step and decode reports.
+  A plain mixin: each report declares the byte fields below as its own dataclass fields."""
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  code_bytes: int
+  hbm_bytes: int
+
+  @staticmethod
+  def fields_of(compiled) -> dict:
+    """The byte fields from `compiled.memory_analysis()` (hbm_bytes comes from the chip)."""
+    memory = compiled.memory_analysis()
+    return dict(argument_bytes=memory.argument_size_in_bytes,
+                output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+                temp_bytes=memory.temp_size_in_bytes,
+                code_bytes=memory.generated_code_size_in_bytes)
+
+  @property
+  def total_bytes(self) -> int:
+    """Peak HBM per device: live arguments (donated outputs alias them) + temporaries + code."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
+        self.code_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.total_bytes <= self.hbm_bytes
+
+  def memory_lines(self) -> list[str]:
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"
+    return [
+        f"  arguments    {gib(self.argument_bytes)}",
+        f"  outputs      {gib(self.output_bytes)}  (aliased with arguments: "
+        f"{gib(self.alias_bytes).strip()})",
+        f"  temporaries  {gib(self.temp_bytes)}",
+        f"  code         {gib(self.code_bytes)}",
+        f"  total        {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM "
+        f"({self.total_bytes / self.hbm_bytes:.0%}) -> {'FITS' if self.fits else 'DOES NOT FIT'}",
+    ]
+
+
 @dataclasses.dataclass
-class AotReport:
+class AotReport(HbmUse):
   phase: str
   topology: str
   num_slices: int
@@ -55,16 +98,6 @@ class AotReport:
   compile_seconds: float
 
   @property
-  def total_bytes(self) -> int:
-    """Peak HBM per device: live arguments (donated outputs alias them) + temporaries + code."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
-        self.code_bytes
-
-  @property
-  def fits(self) -> bool:
-    return self.total_bytes <= self.hbm_bytes
-
-  @property
   def flop_ratio(self) -> float:
     return self.compiled_flops / self.useful_flops if self.useful_flops else float("nan")
 
@@ -73,13 +106,7 @@ class AotReport:
     lines = [
         f"phase {self.phase}  topology {self.topology} x{self.num_slices}  "
         f"devices {self.num_devices}  mesh {self.mesh}",
-        f"  arguments    {gib(self.argument_bytes)}",
-        f"  outputs      {gib(self.output_bytes)}  (aliased with arguments: "
-        f"{gib(self.alias_bytes).strip()})",
-        f"  temporaries  {gib(self.temp_bytes)}",
-        f"  code         {gib(self.code_bytes)}",
-        f"  total        {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM "
-        f"({self.total_bytes / self.hbm_bytes:.0%}) -> {'FITS' if self.fits else 'DOES NOT FIT'}",
+        *self.memory_lines(),
         f"  FLOPs/device compiled {self.compiled_flops:.3e}  useful {self.useful_flops:.3e}  "
         f"ratio {self.flop_ratio:.3f}",
         *(f"    {kind:44s} {value:.3e}  ({value / self.compiled_flops:.1%})"
@@ -157,7 +184,6 @@ def lower_and_compile(exp: ExperimentConfig, topology: str):
 
 def report_of(compiled, exp: ExperimentConfig, topology: str, mesh: jax.sharding.Mesh,
               elapsed: float) -> AotReport:
-  memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   hlo_text = compiled.as_text()
@@ -167,10 +193,7 @@ def report_of(compiled, exp: ExperimentConfig, topology: str, mesh: jax.sharding
   chip = hardware.chip_of_topology(topology)
   return AotReport(
       phase=exp.phase, topology=topology, num_slices=exp.mesh.num_slices, num_devices=mesh.size,
-      mesh=dict(mesh.shape), argument_bytes=memory.argument_size_in_bytes,
-      output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
-      hbm_bytes=chip.hbm_bytes, compiled_flops=matmul.total, useful_flops=useful,
+      mesh=dict(mesh.shape), **HbmUse.fields_of(compiled), hbm_bytes=chip.hbm_bytes, compiled_flops=matmul.total, useful_flops=useful,
       flops_by_kind=matmul.by_kind, flops_by_op=matmul.by_op_name, xla_cost_flops=float(cost.get("flops", 0.0)),
       unknown_trip_count_loops=matmul.unknown_trip_count_loops,
       uncounted_kernels=matmul.uncounted_kernels, collectives=count_collectives(hlo_text),

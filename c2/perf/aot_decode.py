@@ -44,7 +44,7 @@ SERVING_DTYPES = {"dtype": "bfloat16", "param_dtype": "bfloat16"}
 
 
 @dataclasses.dataclass
-class DecodeReport:
+class DecodeReport(aot.HbmUse):
   preset: str
   topology: str
   platform: str  # of the compiled executable's devices: must be "tpu"
@@ -64,16 +64,6 @@ class DecodeReport:
   collectives: dict
   compile_seconds: float
 
-  @property
-  def total_bytes(self) -> int:
-    """Peak HBM per device: live arguments (the donated cache aliases its output) + temporaries."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
-        self.code_bytes
-
-  @property
-  def fits(self) -> bool:
-    return self.total_bytes <= self.hbm_bytes
-
   def format(self) -> str:
     gib = lambda b: f"{b / 2**30:8.2f} GiB"
     tokens = self.slots * self.capacity
@@ -84,13 +74,7 @@ class DecodeReport:
         f"  cache per token   {self.cache_bytes_per_token:,} B (all layers)",
         f"  params       {gib(self.param_bytes)}  (per device, from the shardings)",
         f"  cache        {gib(self.cache_bytes)}",
-        f"  arguments    {gib(self.argument_bytes)}",
-        f"  outputs      {gib(self.output_bytes)}  (aliased with arguments: "
-        f"{gib(self.alias_bytes).strip()})",
-        f"  temporaries  {gib(self.temp_bytes)}",
-        f"  code         {gib(self.code_bytes)}",
-        f"  total        {gib(self.total_bytes)}  of {gib(self.hbm_bytes).strip()} HBM "
-        f"({self.total_bytes / self.hbm_bytes:.0%}) -> {'FITS' if self.fits else 'DOES NOT FIT'}",
+        *self.memory_lines(),
         "  collectives  " + ", ".join(f"{k} {v}" for k, v in self.collectives.items()),
         f"  compile time {self.compile_seconds:.1f} s",
     ])
@@ -176,7 +160,6 @@ def compile_decode(cfg: ModelConfig, topology: str, slots: int, capacity: int, *
     raise aot.DoesNotFit(f"decode {slots} x {capacity} on {topology} (mesh "
                          f"{dict(mesh.shape)}): {str(e).splitlines()[0]}") from None
   elapsed = time.time() - start
-  memory = compiled.memory_analysis()
   return DecodeReport(
       preset=preset, topology=topology, platform=compiled_platform(compiled),
       num_devices=mesh.size, mesh={k: v for k, v in mesh.shape.items() if v > 1},
@@ -184,10 +167,7 @@ def compile_decode(cfg: ModelConfig, topology: str, slots: int, capacity: int, *
       cache_bytes_per_token=cache_lib.bytes_per_token(cfg, cache_dtype or cfg.dtype),
       param_bytes=_shard_bytes(params, jax.tree.map(lambda a: a.sharding, params)),
       cache_bytes=_shard_bytes(cache, jax.tree.map(lambda a: a.sharding, cache)),
-      argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
-      alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
-      code_bytes=memory.generated_code_size_in_bytes,
-      hbm_bytes=hardware.chip_of_topology(topology).hbm_bytes,
+      **aot.HbmUse.fields_of(compiled), hbm_bytes=hardware.chip_of_topology(topology).hbm_bytes,
       collectives=aot.count_collectives(compiled.as_text()), compile_seconds=elapsed)
 
 
