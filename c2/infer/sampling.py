@@ -58,9 +58,19 @@ def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
   is left whose mass reaches p; ties at a threshold are kept. Greedy rows: 0 at the argmax.
   """
   logits = logits.astype(jnp.float32)
-  v = logits.shape[-1]
   greedy = temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  # The vocabulary sort is most of a small model's decode step on CPU: only when a row truncates.
+  truncated = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate,
+                           lambda scaled, top_k, top_p: scaled, scaled, top_k, top_p)
+  point_mass = jnp.where(jnp.arange(logits.shape[-1])[None, :] == jnp.argmax(logits, -1)[:, None],
+                         0.0, NEG_INF)
+  return jnp.where(greedy[:, None], point_mass, jax.nn.log_softmax(truncated, axis=-1))
+
+
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Top-k then top-p on scaled logits [B, V]: the dropped ones set to -inf."""
+  v = scaled.shape[-1]
   ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
   k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
   kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [B, 1]
@@ -69,10 +79,7 @@ def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
   mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
   kept = (mass_before < top_p[:, None]) & (ordered > NEG_INF)
   threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-  truncated = jnp.where(scaled >= threshold, scaled, NEG_INF)
-  logprobs = jax.nn.log_softmax(truncated, axis=-1)
-  point_mass = jnp.where(jnp.arange(v)[None, :] == jnp.argmax(logits, -1)[:, None], 0.0, NEG_INF)
-  return jnp.where(greedy[:, None], point_mass, logprobs)
+  return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
 def reported_logprobs(logits: jax.Array, dist: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -94,3 +101,12 @@ def draw(dist: jax.Array, keys: jax.Array) -> jax.Array:
   """One token per row from log-probs [B, V] (Gumbel-max) -> int32 [B]."""
   gumbel = jax.vmap(lambda key: jax.random.gumbel(key, dist.shape[-1:], jnp.float32))(keys)
   return jnp.argmax(dist + gumbel, axis=-1).astype(jnp.int32)
+
+
+def draw_tokens(dist: jax.Array, temperature: jax.Array, seeds: jax.Array, positions: jax.Array,
+                stream: int) -> jax.Array:
+  """`draw` with each row's key; an all-greedy batch skips the Gumbel noise (its point masses
+  give the same argmax)."""
+  return jax.lax.cond(
+      jnp.all(temperature <= 0), lambda: jnp.argmax(dist, axis=-1).astype(jnp.int32),
+      lambda: draw(dist, row_keys(seeds, positions, stream)))

@@ -32,35 +32,16 @@ def _dist(logits: jax.Array, sampling: dict) -> jax.Array:
   rows = lambda a: jnp.broadcast_to(a.reshape((shape[0],) + (1,) * (len(shape) - 2)),
                                     shape[:-1]).reshape(-1)
   flat = logits.reshape(-1, shape[-1])
-  temperature, top_k, top_p = rows(sampling["temperature"]), rows(sampling["top_k"]), rows(
-      sampling["top_p"])
-  # Top-k/top-p sort the vocabulary of every row (most of a small model's step on CPU): only
-  # when some row truncates. Otherwise the same distribution without the sort.
-  dist = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), sampling_lib.sampling_logprobs,
-                      _untruncated, flat, temperature, top_k, top_p)
+  temperature = rows(sampling["temperature"])
+  dist = sampling_lib.sampling_logprobs(flat, temperature, rows(sampling["top_k"]),
+                                        rows(sampling["top_p"]))
   reported = sampling_lib.reported_logprobs(flat, dist, temperature)
   return dist.reshape(shape), reported.reshape(shape)
 
 
-def _untruncated(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                 top_p: jax.Array) -> jax.Array:
-  """`sampling_logprobs` for rows that keep the whole vocabulary (top_k 0, top_p 1)."""
-  del top_k, top_p
-  logits = logits.astype(jnp.float32)
-  greedy = temperature <= 0
-  scaled = jax.nn.log_softmax(logits / jnp.where(greedy, 1.0, temperature)[:, None], axis=-1)
-  point_mass = jnp.where(jnp.arange(logits.shape[-1])[None, :] == jnp.argmax(logits, -1)[:, None],
-                         0.0, sampling_lib.NEG_INF)
-  return jnp.where(greedy[:, None], point_mass, scaled)
-
-
 def _draw(dist: jax.Array, sampling: dict, positions: jax.Array, stream: int) -> jax.Array:
-  """sampling_lib.draw with its row keys; an all-greedy batch skips the Gumbel noise (its
-  point masses give the same argmax)."""
-  return jax.lax.cond(
-      jnp.all(sampling["temperature"] <= 0),
-      lambda: jnp.argmax(dist, axis=-1).astype(jnp.int32),
-      lambda: sampling_lib.draw(dist, sampling_lib.row_keys(sampling["seed"], positions, stream)))
+  return sampling_lib.draw_tokens(dist, sampling["temperature"], sampling["seed"], positions,
+                                  stream)
 
 
 def _pick(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -134,7 +115,6 @@ def decode(params, cache: EngineCache, tokens: jax.Array, active: jax.Array, sam
            cfg: ModelConfig):
   """One token for every active slot: tokens [N] (the last sampled, not yet cached).
   -> (cache, next_tokens [N], logprobs [N], routes [Y, N, 1, K] of the fed tokens)"""
-  n = tokens.shape[0]
   out = model.forward(cfg, params, tokens[:, None], active[:, None].astype(jnp.int32),
                       cache.lengths[:, None], with_mtp=False,
                       cache=(cache.trunk_stacks, None, cache.lengths))
@@ -142,7 +122,6 @@ def decode(params, cache: EngineCache, tokens: jax.Array, active: jax.Array, sam
   drawn = _draw(dist, sampling, cache.lengths + 1, sampling_lib.SAMPLE)
   cache = cache.replace(stacks={**cache.stacks, **out["kv_cache"]},
                         lengths=cache.lengths + active.astype(jnp.int32))
-  del n
   return cache, drawn, _pick(reported, drawn), _routes(out)
 
 
