@@ -19,6 +19,7 @@ was routed to at every MoE layer (`Result.routes`, uint16), for router replay in
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -173,7 +174,6 @@ class Engine:
 
   # ----------------------------------------------------------------------------------- internals
   def _context(self):
-    import contextlib  # pylint: disable=import-outside-toplevel
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _place(self, params):
@@ -189,9 +189,12 @@ class Engine:
       self.stats["weight_updates"] += 1
 
   def _reject(self, request: Request, request_id: str, message: str) -> TokenEvent:
-    result = Result(request_id, list(request.prompt), [], [], [], np.zeros(
-        (0, self.cfg.num_moe_layers, self.cfg.experts_per_token), np.uint16), "error", error=message)
+    result = Result(request_id, list(request.prompt), [], [], [], self._no_routes(), "error",
+                    error=message)
     return TokenEvent(request_id, [], [], [], result)
+
+  def _no_routes(self) -> np.ndarray:
+    return np.zeros((0, self.cfg.num_moe_layers, self.cfg.experts_per_token), np.uint16)
 
   def _admit(self) -> list[TokenEvent]:
     events = []
@@ -329,8 +332,7 @@ class Engine:
   def _finish(self, index: int, reason: str, stop=None) -> Result:
     slot = self._active[index]
     self._active[index] = None
-    routes = np.concatenate(slot.routes) if slot.routes else np.zeros(
-        (0, self.cfg.num_moe_layers, self.cfg.experts_per_token), np.uint16)
+    routes = np.concatenate(slot.routes) if slot.routes else self._no_routes()
     fed = len(slot.prompt) + len(slot.tokens) - 1
     return Result(slot.id, slot.prompt, slot.tokens, slot.logprobs, slot.versions, routes[:fed],
                   reason, stop)
