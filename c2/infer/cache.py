@@ -31,7 +31,9 @@ SLOT_AXES = ("batch",)
 
 @flax.struct.dataclass
 class EngineCache:
-  stacks: dict  # {"dense": [Yd, N, S, C], "moe": [Ym, N, S, C], "mtp": [M, N, S, C]} (absent: empty)
+  # {"dense": [Yd, N, S, C], "moe": [Ym, N, S, C], "mtp": [M, N, S, C]} (absent: empty); with
+  # unrolled layers "dense" and "moe" are tuples of per-layer [N, S, C] arrays.
+  stacks: dict
   lengths: jax.Array  # [N] int32 tokens in the trunk cache
   mtp_lengths: jax.Array  # [N] int32 positions in the MTP cache
   pending_hidden: jax.Array  # [N, W, D] trunk pre-norm hidden at positions mtp_lengths + w
@@ -55,11 +57,15 @@ def bytes_per_token(cfg: ModelConfig, dtype) -> int:
 def _shapes(cfg: ModelConfig, slots: int, capacity: int, draft_depth: int, dtype) -> EngineCache:
   c = entry_size(cfg)
   stack = lambda layers: jax.ShapeDtypeStruct((layers, slots, capacity, c), jnp.dtype(dtype))
+  # Unrolled layers (ModelConfig.scan_layers False) get one array per layer: a layer then reads
+  # its cache as stored, where slicing it out of a stack is a copy per layer and step on CPU.
+  trunk = stack if cfg.scan_layers else lambda layers: tuple(
+      jax.ShapeDtypeStruct((slots, capacity, c), jnp.dtype(dtype)) for _ in range(layers))
   stacks = {}
   if cfg.first_k_dense:
-    stacks["dense"] = stack(cfg.first_k_dense)
+    stacks["dense"] = trunk(cfg.first_k_dense)
   if cfg.num_moe_layers:
-    stacks["moe"] = stack(cfg.num_moe_layers)
+    stacks["moe"] = trunk(cfg.num_moe_layers)
   if draft_depth:
     stacks["mtp"] = stack(cfg.mtp_depth)
   w = draft_depth + 1
@@ -73,11 +79,16 @@ def _shapes(cfg: ModelConfig, slots: int, capacity: int, draft_depth: int, dtype
 def cache_shardings(abstract: EngineCache, mesh: jax.sharding.Mesh) -> EngineCache:
   sizes = dict(mesh.shape)
 
-  def one(leaf):
-    names = {4: STACK_AXES, 3: ("batch", None, None), 2: ("batch", None), 1: SLOT_AXES}[leaf.ndim]
-    return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(names, leaf.shape, sizes))
+  def one(names):
+    return lambda leaf: jax.sharding.NamedSharding(
+        mesh, sharding.logical_to_spec(names[-leaf.ndim:], leaf.shape, sizes))
 
-  return jax.tree.map(one, abstract)
+  return abstract.replace(
+      stacks=jax.tree.map(one(STACK_AXES), abstract.stacks),  # [Y, N, S, C] or per layer [N, S, C]
+      lengths=one(SLOT_AXES)(abstract.lengths), mtp_lengths=one(SLOT_AXES)(abstract.mtp_lengths),
+      pending_hidden=one(("batch", None, None))(abstract.pending_hidden),
+      pending_tokens=one(("batch", None))(abstract.pending_tokens),
+      pending_count=one(SLOT_AXES)(abstract.pending_count))
 
 
 def abstract_cache(cfg: ModelConfig, slots: int, capacity: int, draft_depth: int = 0,

@@ -13,6 +13,8 @@ plain greedy decoding.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -20,11 +22,13 @@ from c2.infer import sampling
 
 
 def accept(target: jax.Array, draft: jax.Array, drafts: jax.Array, seeds: jax.Array,
-           positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+           positions: jax.Array, temperature: Optional[jax.Array] = None
+           ) -> tuple[jax.Array, jax.Array]:
   """Runs the acceptance rule.
 
   target [B, D + 1, V], draft [B, D, V]: sampling log-probs (c2.infer.sampling); drafts [B, D];
-  seeds [B]; positions [B]: the position d_1 would take (keys depend on position + j).
+  seeds [B]; positions [B]: the position d_1 would take (keys depend on position + j);
+  temperature [B] (optional): lets an all-greedy batch skip the final draw's noise.
   -> (num_accepted [B] int32 in 0..D, tokens [B, D + 1]: the accepted drafts, then the
   correction or bonus token at index num_accepted; entries after it are meaningless).
   """
@@ -49,8 +53,13 @@ def accept(target: jax.Array, draft: jax.Array, drafts: jax.Array, seeds: jax.Ar
   # Rounding can leave an all-zero residual when p == q exactly (then no rejection could have
   # happened in exact arithmetic); fall back to p.
   residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, jnp.exp(p_next))
-  final_token = sampling.draw(jnp.log(residual), sampling.row_keys(
-      seeds, positions + num_accepted, sampling.RESIDUAL))
+  final_positions = positions + num_accepted
+  if temperature is None:
+    final_token = sampling.draw(jnp.log(residual), sampling.row_keys(
+        seeds, final_positions, sampling.RESIDUAL))
+  else:
+    final_token = sampling.draw_tokens(jnp.log(residual), temperature, seeds, final_positions,
+                                       sampling.RESIDUAL)
   tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
   tokens = tokens.at[jnp.arange(b), num_accepted].set(final_token)
   return num_accepted.astype(jnp.int32), tokens.astype(jnp.int32)

@@ -161,7 +161,8 @@ def speculate(params, cache: EngineCache, tokens: jax.Array, active: jax.Array, 
                       cache=(cache.trunk_stacks, None, n_cached))
   target, reported = _dist(_logits(cfg, params, out["hidden"]), sampling)  # [N, W, V]
   num_accepted, emitted = speculative.accept(target, jnp.stack(draft_dists, axis=1), drafts_arr,
-                                             sampling["seed"], n_cached + 1)
+                                             sampling["seed"], n_cached + 1,
+                                             sampling["temperature"])
   grow = jnp.where(active, num_accepted + 1, 0)
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   cache = cache.replace(

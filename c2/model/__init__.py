@@ -8,9 +8,9 @@ from c2.model.config import ModelConfig, get_preset
 from c2.model.functional import (ROUTER_BIAS, abstract_boxed_params, abstract_params, build,
                                  forward, head_kernel, init_params, logits, mtp_logits, mtp_step,
                                  param_shardings, param_specs, router_biases, router_loads,
-                                 update_router_biases)
+                                 unstack_layers, update_router_biases)
 
 __all__ = ["ModelConfig", "get_preset", "ROUTER_BIAS", "abstract_boxed_params", "abstract_params",
            "build", "forward", "head_kernel", "init_params", "logits", "mtp_logits", "mtp_step",
            "param_shardings", "param_specs", "router_biases", "router_loads",
-           "update_router_biases"]
+           "unstack_layers", "update_router_biases"]

@@ -107,6 +107,8 @@ class BlockStack(nn.Module):
         body, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=0, length=self.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
+    if not self.cfg.scan_layers:
+      return self._unrolled(block, x, segment_ids, positions, forced_routes, cache)
     module = block(self.cfg, self.use_moe, name="block")
 
     if cache is None:
@@ -124,4 +126,29 @@ class BlockStack(nn.Module):
 
     x, aux = scan(cached_body)(module, x, (stack, forced_routes))
     stack = write_entries(stack, rows, lengths, aux.pop("kv_entries"), segment_ids != 0)
+    return x, {**aux, "kv_cache": stack}
+
+  def _unrolled(self, block, x, segment_ids, positions, forced_routes, cache):
+    """The same computation with one module per layer (`layer_{i}`, unstacked params): no
+    per-layer slice of a stacked weight, which XLA:CPU copies on every call."""
+    auxes = []
+    for i in range(self.num_layers):
+      view = None
+      if cache is not None:  # a stack [Y, slots, S, C] or one array per layer (c2/infer/cache.py)
+        stack, rows, lengths = cache
+        view = LayerCacheView(stack[i] if rows is None else stack[i][rows], lengths)
+      layer_routes = None if forced_routes is None else forced_routes[i]
+      x, aux = block(self.cfg, self.use_moe, name=f"layer_{i}")(
+          x, segment_ids, positions, layer_routes, view)
+      auxes.append(aux)
+    entries = [aux.pop("kv_entries") for aux in auxes] if cache is not None else None
+    aux = jax.tree.map(lambda *layers: jnp.stack(layers), *auxes)  # stacked as the scan's
+    if cache is None:
+      return x, aux
+    valid = segment_ids != 0
+    if isinstance(stack, (tuple, list)):  # per-layer arrays, each written in place
+      stack = tuple(write_entries(layer[None], rows, lengths, new[None], valid)[0]
+                    for layer, new in zip(stack, entries))
+    else:
+      stack = write_entries(stack, rows, lengths, jnp.stack(entries), valid)
     return x, {**aux, "kv_cache": stack}

@@ -93,6 +93,10 @@ class ModelConfig:
   # (P times the average). Overflowing token-choices are dropped and counted (moe/dropped_fraction).
   ep_capacity_factor: Optional[float] = None
   attention_impl: str = "auto"  # splash on TPU; dense (T <= 2048) or blockwise elsewhere
+  # False: the layers as separate modules `layer_{i}` instead of one nn.scan over stacked params
+  # (params converted by c2.model.unstack_layers). For decoding on CPU, where XLA copies each
+  # layer's slice of the stacked weights every step; training and checkpoints use the scan.
+  scan_layers: bool = True
 
   def __post_init__(self):
     def positive(name):

@@ -6,6 +6,7 @@ Params are a plain nested dict of arrays (Linen's, unboxed); every function here
   init_params(cfg, rng, mesh)     -> params created directly in their shards
   forward(cfg, params, tokens...) -> dict(hidden, mtp_hidden, aux)   (see Transformer)
   logits(cfg, params, tokens...)  -> float32 [B, T, V]
+  unstack_layers(params)          -> the per-layer tree of a ModelConfig(scan_layers=False)
   router_loads(aux) / router_biases(params) / update_router_biases(params, loads, rate)
                                   the routers' aux-loss-free correction biases, by router group
 
@@ -54,6 +55,21 @@ def param_specs(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Params:
 
 def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Params:
   return sharding.named_shardings(param_specs(cfg, mesh), mesh)
+
+
+STACKS = ("dense_layers", "moe_layers")  # the scanned layer stacks (params under "block")
+
+
+def unstack_layers(params: Params) -> Params:
+  """Stacked layer params {"block": [Y, ...]} -> {"layer_0": ..., "layer_{Y-1}": ...}, the tree
+  of a ModelConfig with scan_layers=False (same values; other params as they are)."""
+  out = dict(params)
+  for name in STACKS:
+    if name in params:
+      stacked = params[name]["block"]
+      count = jax.tree.leaves(stacked)[0].shape[0]
+      out[name] = {f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count)}
+  return out
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None) -> Params:

@@ -48,24 +48,25 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Arr
   """
   n, l = q_nope.shape[-1], new_latent.shape[-1]
   w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]  # [L, H, N], [L, H, J]
-  cached_latent, cached_rope_key = cache.kv[..., :l], cache.kv[..., l:]
   f32 = jnp.float32
   q_lat = jnp.einsum("BTHN,LHN->BTHL", q_nope, w_uk, preferred_element_type=f32)
-
-  def scores(latent, rope_key):  # keys [B, S', L] and [B, S', R] -> [B, H, T, S'] float32
-    return (jnp.einsum("BTHL,BSL->BHTS", q_lat, latent.astype(f32)) +
-            jnp.einsum("BTHR,BSR->BHTS", q_rope, rope_key.astype(q_rope.dtype),
-                       preferred_element_type=f32)) * scale
+  # Queries and keys over the whole entry [latent | rope key] (C = L + R): one product per key
+  # set reads the cache as stored, where splitting it made XLA copy both halves of every layer's
+  # cache each step. The values' product runs over C too (R/L more FLOPs) and keeps its first L.
+  q = jnp.concatenate([q_lat, q_rope.astype(f32)], axis=-1)  # [B, T, H, C]
+  new_entries = jnp.concatenate([new_latent, new_rope_key.astype(new_latent.dtype)], -1)  # [B, T, C]
+  scores = lambda keys: jnp.einsum("BTHC,BSC->BHTS", q, keys.astype(f32)) * scale
 
   t, s = q_nope.shape[1], cache.kv.shape[1]
   old_visible = jnp.arange(s)[None, :] < cache.lengths[:, None]  # [B, S]
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T, T]
   new_visible = causal[None] & new_valid[:, None, :]  # [B, T, T]
-  old = jnp.where(old_visible[:, None, None, :], scores(cached_latent, cached_rope_key), _MASK_VALUE)
-  new = jnp.where(new_visible[:, None], scores(new_latent, new_rope_key), _MASK_VALUE)
+  old = jnp.where(old_visible[:, None, None, :], scores(cache.kv), _MASK_VALUE)
+  new = jnp.where(new_visible[:, None], scores(new_entries), _MASK_VALUE)
   probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)  # [B, H, T, S + T]
-  out_lat = (jnp.einsum("BHTS,BSL->BTHL", probs[..., :s], cached_latent.astype(f32)) +
-             jnp.einsum("BHTS,BSL->BTHL", probs[..., s:], new_latent.astype(f32)))
+  out_entry = (jnp.einsum("BHTS,BSC->BTHC", probs[..., :s], cache.kv.astype(f32)) +
+               jnp.einsum("BHTS,BSC->BTHC", probs[..., s:], new_entries.astype(f32)))
+  out_lat = out_entry[..., :l]  # [B, T, H, L]
   out = jnp.einsum("BTHL,LHJ->BTHJ", out_lat.astype(q_nope.dtype), w_uv,
                    preferred_element_type=f32)
   return out.astype(q_nope.dtype)
