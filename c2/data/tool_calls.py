@@ -138,3 +138,18 @@ def parse_assistant_text(text: str, *, in_reasoning: bool = False) -> ParsedRepl
   """Template text (special tokens written by name) -> ParsedReply."""
   pieces = ((i % 2 == 1, part) for i, part in enumerate(_STRUCTURAL_SPLIT.split(text)) if part)
   return parse_pieces(pieces, in_reasoning=in_reasoning)
+
+
+def format_assistant_text(content: str = "", tool_calls: Sequence[tuple[str, str]] = (), *,
+                          reasoning: str = "", in_reasoning: bool = False) -> str:
+  """The inverse of `parse_assistant_text`: a reply as template text, ending with <|im_end|>.
+  tool_calls: (name, JSON arguments) pairs, numbered in order as Kimi does. in_reasoning: the
+  generation prompt already opened <think>, so the reply starts with the reasoning itself."""
+  text = ("" if in_reasoning else kimi_vocab.THINK_BEGIN) + reasoning + kimi_vocab.THINK_END
+  text += content
+  if tool_calls:
+    text += kimi_vocab.TOOL_CALLS_SECTION_BEGIN + "".join(
+        f"{kimi_vocab.TOOL_CALL_BEGIN}functions.{name}:{i}{kimi_vocab.TOOL_CALL_ARGUMENT_BEGIN}"
+        f"{arguments}{kimi_vocab.TOOL_CALL_END}" for i, (name, arguments) in enumerate(tool_calls))
+    text += kimi_vocab.TOOL_CALLS_SECTION_END
+  return text + kimi_vocab.IM_END

@@ -1,0 +1,40 @@
+"""Oracle transcripts: graded rollouts in the SFT pipeline's chat schema."""
+import json
+
+from c2.data import kimi_vocab
+from c2.data.examples import ConversationToExample
+from c2.data.tokenizer import load_tokenizer
+from c2.envs import task_generator, transcripts
+
+
+def test_transcripts_are_graded_rollouts_in_the_sft_schema(tmp_path, tokenizer_512):
+  tokenizer = load_tokenizer(str(tokenizer_512))
+  assert transcripts.main(["--out", str(tmp_path), "--count", "7", "--heldout-count", "2",
+                           "--workers", "2"]) == 0
+  train = [json.loads(line) for line in (tmp_path / "train-00000.jsonl").read_text().splitlines()]
+  heldout = (tmp_path / "heldout-00000.jsonl").read_text().splitlines()
+  assert len(train) == 7 and len(heldout) == 2
+  # The generator's ladder: the first 7 train tasks cover every level.
+  tasks = task_generator.generate(0, 7, split="train")
+  assert [r["task_id"] for r in train] == [t.task_id for t in tasks]
+  for record, task in zip(train, tasks):
+    roles = [m["role"] for m in record["messages"]]
+    assert roles[:2] == ["system", "user"] and record["messages"][1]["content"] == task.prompt
+    calls = [c["function"]["name"] for m in record["messages"] if m["role"] == "assistant"
+             for c in m["tool_calls"]]
+    assert calls[-1] == "finish" and len(calls) == len(task.solution) + (
+        task.solution[-1]["name"] != "finish")
+    # Every call got a real tool result, none an error.
+    outputs = [m["content"] for m in record["messages"] if m["role"] == "tool"]
+    assert len(outputs) == len(calls) and not any(o.startswith("Error:") for o in outputs)
+    assert {t["function"]["name"] for t in record["tools"]} >= set(calls)
+
+  # The SFT pipeline reads them: loss on the assistant turns (tool calls), not on tool outputs.
+  example = ConversationToExample(tokenizer).map(train[0])
+  tokens, mask = example["tokens"], example["loss_mask"].astype(bool)
+  begin = tokenizer.special_id(kimi_vocab.TOOL_CALL_BEGIN)
+  assistant_turns = [m for m in train[0]["messages"] if m["role"] == "assistant"]
+  assert (tokens == begin).sum() == len(assistant_turns) and mask[tokens == begin].all()
+  # Tool outputs are context: the tokens of a tool reply's header are never trained.
+  tool_header = tokenizer.special_id(kimi_vocab.IM_SYSTEM)
+  assert (tokens == tool_header).sum() >= len(assistant_turns) and not mask[tokens == tool_header].any()
