@@ -4,6 +4,8 @@
   python -m c2.bench gmm --help
   python -m c2.bench decode --workdir runs/tiny   # inference engine vs transformers, speculative,
                                                  # continuous batching
+  python -m c2.bench envs           # coding environments: rollouts/s and tool-call latency at
+                                    # 1, 8, 32 concurrent, sandboxed vs unsandboxed
 
 Each benchmark lives in its own c2/perf/bench_<name>.py so adding one never edits another. A
 benchmark exits non-zero when a path it measures disagrees with its reference beyond tolerance:
