@@ -28,6 +28,7 @@ import math
 import pickle
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from c2.data import chat
 from c2.data import tool_calls as tool_call_parser
 from c2.envs import grading, rewards, sandbox, sandbox_host
 from c2.envs.tasks import Task, write_files
@@ -172,6 +173,13 @@ class CodingEnv:
     segment with c2.data.chat.render_chat(tokenizer, segment, env.tool_schemas()) for its token
     ids and the mask of model tokens (assistant replies, summaries included)."""
     return [list(s) for s in self.finished_segments] + [list(self.messages)]
+
+  def segment_tokens(self, tokenizer) -> list:
+    """Per segment, c2.data.chat.RenderedChat: token ids as the generation prompts render the
+    context, and `assistant_mask` True on model tokens (every reply, summaries included), False on
+    environment tokens (system, task, tool outputs, summary requests)."""
+    return [chat.render_chat(tokenizer, segment, self.tool_schemas(), train_on="all_assistant")
+            for segment in self.segments()]
 
   def tool_schemas(self) -> list[dict]:
     return self.config.tools.schemas()

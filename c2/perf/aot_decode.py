@@ -107,8 +107,8 @@ def lower_decode(cfg: ModelConfig, mesh: jax.sharding.Mesh, slots: int, capacity
   cache = cache_lib.abstract_cache(cfg, slots, capacity, 0, cache_dtype, mesh)
   cache_sh = jax.tree.map(lambda a: a.sharding, cache)
   if auto_cache_layout:
-    cache_sh = cache_sh.replace(stacks={name: Format(Layout.AUTO, s)
-                                        for name, s in cache_sh.stacks.items()})
+    cache_sh = cache_sh.replace(stacks=jax.tree.map(lambda s: Format(Layout.AUTO, s),
+                                                    cache_sh.stacks))
   slot_sh = NamedSharding(mesh, sharding.logical_to_spec(cache_lib.SLOT_AXES, (slots,),
                                                          dict(mesh.shape)))
   vector = lambda dtype: jax.ShapeDtypeStruct((slots,), dtype, sharding=slot_sh)
@@ -192,6 +192,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   parser.add_argument("--cache-dtype", default=None, help="default: the compute dtype (bf16)")
   parser.add_argument("--auto-cache-layout", action="store_true",
                       help="let XLA pick the cache's HBM layout (no copy around the layer scan)")
+  parser.add_argument("--unrolled-layers", action="store_true",
+                      help="one module and one cache array per layer (ModelConfig.scan_layers "
+                           "False) instead of the layer scan over stacked params and caches")
   return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
 
@@ -202,7 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   try:
-    report = compile_decode(serving_config(args.preset), args.topology, args.slots, args.capacity,
+    cfg = serving_config(args.preset).replace(scan_layers=not args.unrolled_layers)
+    report = compile_decode(cfg, args.topology, args.slots, args.capacity,
                             mesh_axes=parse_mesh(args.mesh), cache_dtype=args.cache_dtype,
                             preset=args.preset, auto_cache_layout=args.auto_cache_layout)
   except aot.DoesNotFit as e:

@@ -341,8 +341,8 @@ def test_self_summarization_over_several_segments(tokenizer):
   assert environment.stats().todo_items_created == 2
 
   # Rendered for training: the mask covers every reply (the summaries too), no tool output.
-  for k, segment in enumerate(segments):
-    rendered = chat.render_chat(tokenizer, segment, environment.tool_schemas())
+  for k, (segment, rendered) in enumerate(zip(segments, environment.segment_tokens(tokenizer))):
+    assert rendered == chat.render_chat(tokenizer, segment, environment.tool_schemas())
     trained = decoded_runs(tokenizer, rendered, True)
     untrained = "".join(decoded_runs(tokenizer, rendered, False))
     assert len(trained) == sum(m["role"] == "assistant" for m in segment)
