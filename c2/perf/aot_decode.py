@@ -11,7 +11,9 @@ topology's TPU devices (c2.perf.aot.topology_devices; libtpu, no TPU needed). Re
 the params' and the cache's share of HBM, XLA's memory analysis (arguments, temporaries, total
 against the chip's HBM) and the cache bytes per token. Exits 1 when it does not fit.
 
-Serving params are bf16 (`param_dtype="bfloat16"`: 1.04T x 2 bytes = 2.1 TB for kimi-k2.5).
+Serving params are bf16 (`param_dtype="bfloat16"`: 1.04T x 2 bytes = 2.1 TB for kimi-k2.5), layers
+unrolled as the engine runs them (`--scanned-layers` compiles the layer scan instead: faster to
+compile, but XLA copies the stacked cache around the scan).
 """
 from __future__ import annotations
 
@@ -81,8 +83,9 @@ class DecodeReport(aot.HbmUse):
 
 
 def serving_config(preset: str, **overrides) -> ModelConfig:
-  """The preset with bf16 params and compute (what the server holds)."""
-  return model.get_preset(preset, **{**SERVING_DTYPES, **overrides})
+  """The preset as the engine serves it: bf16 params and compute, unrolled layers (Engine's
+  default scan_layers=False)."""
+  return model.get_preset(preset, **{**SERVING_DTYPES, "scan_layers": False, **overrides})
 
 
 def _shard_bytes(abstract, shardings) -> int:
@@ -96,11 +99,12 @@ def lower_decode(cfg: ModelConfig, mesh: jax.sharding.Mesh, slots: int, capacity
                  auto_cache_layout: bool = False):
   """(lowered decode step, abstract params, abstract cache) on `mesh`, all arguments sharded.
 
-  auto_cache_layout: let XLA choose the cache stacks' HBM layout. TPU's default layout for
-  [Y, N, S, 576] puts S minor (576 is not a multiple of 128), the layer scan's in-place scatter
-  wants C minor, so with default layouts XLA copies the whole stack in and out of the scan
-  (temporaries = one more cache). The engine would have to allocate the cache in
-  `compiled.input_formats` to run such an executable.
+  auto_cache_layout: let XLA choose the caches' HBM layout. Only matters for a scanned cfg
+  (scan_layers=True): TPU's default layout for a [Y, N, S, 576] stack makes XLA copy the whole
+  stack around the layer scan (temporaries = one more cache); with unrolled layers (the engine's
+  default) each layer's [N, S, 576] array is read and written in place and the default layout
+  needs no copy. The engine would have to allocate the cache in `compiled.input_formats` to run
+  an executable compiled with this flag.
   """
   param_sh = model.param_shardings(cfg, mesh)
   params = sharding.with_shardings(model.abstract_params(cfg), param_sh)
@@ -192,9 +196,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   parser.add_argument("--cache-dtype", default=None, help="default: the compute dtype (bf16)")
   parser.add_argument("--auto-cache-layout", action="store_true",
                       help="let XLA pick the cache's HBM layout (no copy around the layer scan)")
-  parser.add_argument("--unrolled-layers", action="store_true",
-                      help="one module and one cache array per layer (ModelConfig.scan_layers "
-                           "False) instead of the layer scan over stacked params and caches")
+  parser.add_argument("--scanned-layers", action="store_true",
+                      help="the layer scan over stacked params and caches instead of the "
+                           "engine's default, one module and one cache array per layer")
   return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
 
@@ -205,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   try:
-    cfg = serving_config(args.preset).replace(scan_layers=not args.unrolled_layers)
+    cfg = serving_config(args.preset, scan_layers=args.scanned_layers)
     report = compile_decode(cfg, args.topology, args.slots, args.capacity,
                             mesh_axes=parse_mesh(args.mesh), cache_dtype=args.cache_dtype,
                             preset=args.preset, auto_cache_layout=args.auto_cache_layout)
