@@ -19,6 +19,7 @@ from c2.model.latent_cache import LayerCacheView, write_entries
 from c2.model.layers import GatedFFN, RMSNorm
 from c2.ops import splash_attention
 from c2.model.moe import MoE
+from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback
 
 
 class DecoderBlock(nn.Module):
@@ -26,6 +27,7 @@ class DecoderBlock(nn.Module):
 
   cfg: ModelConfig
   use_moe: bool
+  replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK  # router replay rule (c2.model.router)
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
@@ -55,7 +57,8 @@ class DecoderBlock(nn.Module):
         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor, gmm_impl=cfg.gmm_impl,
         gmm_fmt=cfg.gmm_fmt, gmm_bwd_fmt=cfg.gmm_bwd_fmt, dispatch_fmt=cfg.dispatch_fmt,
-        a2a_impl=cfg.a2a_impl, ep_capacity_factor=cfg.ep_capacity_factor, dtype=dtype, param_dtype=param_dtype,
+        a2a_impl=cfg.a2a_impl, ep_capacity_factor=cfg.ep_capacity_factor,
+        replay_fallback=self.replay_fallback, dtype=dtype, param_dtype=param_dtype,
         name="moe")(ffn_in, segment_ids, forced_routes)
     return x + y, {**aux, **cache_aux}
 
@@ -89,6 +92,7 @@ class BlockStack(nn.Module):
   cfg: ModelConfig
   use_moe: bool
   num_layers: int
+  replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK
 
   @nn.compact
   def __call__(self, x, segment_ids, positions, forced_routes=None, cache=None):
@@ -109,7 +113,7 @@ class BlockStack(nn.Module):
         metadata_params={nn.PARTITION_NAME: "layers"})
     if not self.cfg.scan_layers:
       return self._unrolled(block, x, segment_ids, positions, forced_routes, cache)
-    module = block(self.cfg, self.use_moe, name="block")
+    module = block(self.cfg, self.use_moe, self.replay_fallback, name="block")
 
     if cache is None:
       def body(module, carry, layer_routes):
@@ -138,7 +142,7 @@ class BlockStack(nn.Module):
         stack, rows, lengths = cache
         view = LayerCacheView(stack[i] if rows is None else stack[i][rows], lengths)
       layer_routes = None if forced_routes is None else forced_routes[i]
-      x, aux = block(self.cfg, self.use_moe, name=f"layer_{i}")(
+      x, aux = block(self.cfg, self.use_moe, self.replay_fallback, name=f"layer_{i}")(
           x, segment_ids, positions, layer_routes, view)
       auxes.append(aux)
     entries = [aux.pop("kv_entries") for aux in auxes] if cache is not None else None

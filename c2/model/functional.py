@@ -25,14 +25,16 @@ from c2.losses import moe_balance
 from c2.model.config import ModelConfig
 from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
 from c2.model.layers import Embed
+from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback
 from c2.model.transformer import MTPModule, Transformer
 from c2.parallel import sharding
 
 Params = Any
 
 
-def build(cfg: ModelConfig) -> Transformer:
-  return Transformer(cfg)
+def build(cfg: ModelConfig,
+          replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK) -> Transformer:
+  return Transformer(cfg, replay_fallback)
 
 
 def _init_boxed(cfg: ModelConfig, rng: jax.Array):
@@ -83,10 +85,13 @@ def init_params(cfg: ModelConfig, rng: jax.Array, mesh: Optional[jax.sharding.Me
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
             forced_routes: Optional[jax.Array] = None, with_mtp: bool = True,
-            detach_mtp_inputs: bool = False, cache: Optional[tuple] = None) -> dict:
-  """See `Transformer.__call__`; `cache` = (stacks, rows, lengths) runs the decoding form."""
-  return build(cfg).apply({"params": params}, tokens, segment_ids, positions, forced_routes,
-                          with_mtp, detach_mtp_inputs, cache)
+            detach_mtp_inputs: bool = False, cache: Optional[tuple] = None,
+            replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK) -> dict:
+  """See `Transformer.__call__`; `cache` = (stacks, rows, lengths) runs the decoding form.
+  replay_fallback: the plausibility rule for forced_routes ("rank" default, "rank:M", a float
+  margin, "off"; c2.model.router.replay_threshold); the RL config decides it."""
+  return build(cfg, replay_fallback).apply({"params": params}, tokens, segment_ids, positions,
+                                           forced_routes, with_mtp, detach_mtp_inputs, cache)
 
 
 def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Array,

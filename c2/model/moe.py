@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from c2.model import dispatch
 from c2.model.layers import GatedFFN, default_init, logical_param
 from c2.losses.moe_balance import expert_counts, sequence_balance_loss
-from c2.model.router import route
+from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback, route
 from c2.ops.gmm import grouped_matmul, resolve_impl
 from c2.parallel.mesh import target_platform
 from c2.parallel.sharding import constrain, logical_to_spec
@@ -42,13 +42,16 @@ class MoE(nn.Module):
   dispatch_fmt: Optional[str] = None
   a2a_impl: str = "auto"
   ep_capacity_factor: Optional[float] = None
+  replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK  # see c2.model.router.replay_threshold
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array,
                forced_routes: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-    """x [B, T, D] -> (y [B, T, D], aux): load [E], balance_loss [], routes [B, T, K], dropped []."""
+    """x [B, T, D] -> (y [B, T, D], aux): load [E], balance_loss [], routes [B, T, K], dropped [],
+    replay_override_rate [] (fraction of the replayed (token, slot) entries of real tokens that
+    fell back to the router's own choice; 0 without forced_routes)."""
     b, t, d = x.shape
     e, f, k = self.num_experts, self.expert_ffn_size, self.experts_per_token
     router_kernel = logical_param(self, "router", (d, e), ("embed", None), default_init(),
@@ -66,7 +69,8 @@ class MoE(nn.Module):
     forced = None if forced_routes is None else forced_routes.reshape(b * t, k)
     routes = route(tokens, router_kernel, bias, top_k=k, n_group=self.n_group,
                    topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                   routed_scaling_factor=self.routed_scaling_factor, forced_expert_ids=forced)
+                   routed_scaling_factor=self.routed_scaling_factor, forced_expert_ids=forced,
+                   replay_fallback=self.replay_fallback)
     expert_ids = routes.expert_ids.reshape(b, t, k)
     weights = routes.weights.reshape(b, t, k)
     token_mask = segment_ids > 0
@@ -81,6 +85,7 @@ class MoE(nn.Module):
                                               token_mask, num_experts=e, top_k=k),
         "routes": expert_ids,
         "dropped": dropped,  # token-choices lost to a bounded expert-parallel buffer
+        "replay_override_rate": _override_rate(routes.overridden, forced, token_mask.reshape(-1)),
     }
     return y, aux
 
@@ -143,6 +148,16 @@ class MoE(nn.Module):
                                          w_out_spec),
                          out_specs=(token_spec, P()), check_vma=False)(
                              x, expert_ids, weights, w_gate, w_up, w_down)
+
+
+def _override_rate(overridden: jax.Array, forced: Optional[jax.Array],
+                   token_mask: jax.Array) -> jax.Array:
+  """overridden, forced [N, K], token_mask [N] -> float32 []: overridden / replayed entries."""
+  if forced is None:
+    return jnp.zeros((), jnp.float32)
+  replayed = (forced[:, 0] >= 0) & token_mask  # [N]
+  count = jnp.sum(overridden & replayed[:, None]).astype(jnp.float32)
+  return count / jnp.maximum(jnp.sum(replayed).astype(jnp.float32) * overridden.shape[-1], 1.0)
 
 
 def _as_tuple(axis) -> tuple:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from c2.losses.targets import shift_left
 from c2.model.config import ModelConfig
 from c2.model.block import BlockStack, DecoderBlock
+from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback
 from c2.model.layers import Embed, RMSNorm, default_init, logical_param
 from c2.parallel.sharding import constrain
 
@@ -51,6 +52,7 @@ class MTPModule(nn.Module):
 
 class Transformer(nn.Module):
   cfg: ModelConfig
+  replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK  # how forced_routes fall back
 
   def setup(self):
     cfg = self.cfg
@@ -59,7 +61,8 @@ class Transformer(nn.Module):
     if cfg.first_k_dense:
       self.dense_layers = BlockStack(cfg, use_moe=False, num_layers=cfg.first_k_dense)
     if cfg.num_moe_layers:
-      self.moe_layers = BlockStack(cfg, use_moe=True, num_layers=cfg.num_moe_layers)
+      self.moe_layers = BlockStack(cfg, use_moe=True, num_layers=cfg.num_moe_layers,
+                                   replay_fallback=self.replay_fallback)
     self.final_norm = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = self.param("lm_head", nn.with_logical_partitioning(
@@ -73,10 +76,13 @@ class Transformer(nn.Module):
     """tokens [B, T] -> dict(hidden [B, T, D] final-normed, mtp_hidden [M, B, T, D], aux).
 
     segment_ids default to one document per row, positions to 0..T-1. forced_routes
-    [L, B, T, K] replays recorded MoE routes (RL router replay) in the main layers.
+    [L, B, T, K] replays recorded MoE routes (RL router replay) in the main layers; a replayed
+    expert the router finds implausible falls back to its own choice under the module's
+    `replay_fallback` rule (c2.model.router.replay_threshold).
     detach_mtp_inputs stops MTP gradients at the trunk's hidden state and the embeddings, so an
     MTP loss trains only the MTP modules (Composer 2 attaches MTP to a pretrained trunk).
-    aux: moe/{load [L, E], balance_loss [L], routes [L, B, T, K]} and the same under mtp_moe.
+    aux: moe/{load [L, E], balance_loss [L], routes [L, B, T, K], replay_override_rate [L]} and
+    the same under mtp_moe.
 
     cache (decoding, c2/infer): (stacks {"dense": [Ld, slots, S, C], "moe": [L, slots, S, C]},
     rows [B] slot ids or None for all, lengths [B] tokens cached per row). Adds to the output
