@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import optax
 
 from c2.losses.lm import LossWeights
+from c2.losses.rl import RLLossWeights
 from c2.model.config import ModelConfig
 
 
@@ -22,3 +23,4 @@ class StepContext:
   loss_weights: LossWeights
   bias_update_rate: float = 0.0  # aux-loss-free router bias speed (0 freezes the biases)
   schedule: Optional[Callable] = None  # step -> learning rate, logged as train/learning_rate
+  rl: Optional[RLLossWeights] = None  # the RL step's objective (c2/steps/rl.py)

@@ -1,0 +1,92 @@
+"""The RL learner's objective on a packed batch of rollouts: the model forward with router replay,
+per-token log-probs of the sampled tokens through the chunked head, and the policy-gradient loss
+of c2/losses/policy_gradient.py.
+
+Glossary: B rows, T length, N = B * T tokens, V vocabulary, Y MoE layers, K experts per token.
+
+Batch (per-token arrays are indexed by the token they describe, like `loss_mask`):
+  tokens, segment_ids, positions  [B, T] int32   packed rollout segments (0 segment = padding)
+  loss_mask        [B, T] float  1 on model tokens (sampled by the policy), 0 on prompt/env tokens
+  advantages       [B, T] float  the chain's advantage on its model tokens (token_advantages)
+  sampler_logp     [B, T] float  the sampler's float32 log-prob of each sampled token
+  ref_logp         [B, T] float  optional: the reference policy's log-prob (k1 KL)
+  forced_routes    [Y, B, T, K] int32 optional: the sampler's recorded experts (router replay;
+                   NOT_RECORDED = -1 rows route themselves)
+The head at position t predicts token t + 1, so every per-token array is shifted left by one to
+line up with the position that predicts it (c2.losses.targets).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from c2 import model as model_lib
+from c2.losses import policy_gradient as pg
+from c2.losses import targets as targets_lib
+from c2.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RLLossWeights:
+  """Plain numbers of the RL objective (built by the RL trainer from its config)."""
+
+  normalizer: float  # constant for the run (Dr. GRPO), e.g. max tokens per rollout * batch rows
+  chunk_size: int = 2048  # tokens per head chunk
+  kl_coef: float = 0.0
+  kl_placement: str = "reward"  # reward | loss | none
+  is_cap: Optional[float] = None  # truncated importance weights pi_train / pi_sampler
+  replay_fallback: Any = "rank"  # c2.model.router.replay_threshold rule ("off": verbatim replay)
+
+
+def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array,
+                   chunk_size: int) -> jax.Array:
+  """log softmax(hidden @ W)[target] for hidden [N, D], targets [N] -> float32 [N], differentiable.
+
+  Over token chunks under jax.checkpoint: the [N, V] logits never exist at once, and the backward
+  pass recomputes one chunk's logits at a time (V = 163,840 at full scale)."""
+  n, d = hidden.shape
+  chunk = min(chunk_size, n)
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+  h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, d)  # [C, n, D]
+  t = jnp.pad(targets, (0, pad)).reshape(num_chunks, chunk)  # [C, n]
+
+  @jax.checkpoint
+  def one(args):
+    h_c, t_c = args
+    logits = jnp.einsum("nD,DV->nV", h_c.astype(jnp.float32), head_kernel.astype(jnp.float32))
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), t_c[:, None], axis=-1)[:, 0]
+
+  return jax.lax.map(one, (h, t.astype(jnp.int32))).reshape(-1)[:n]
+
+
+def rl_loss(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
+            ) -> tuple[jax.Array, dict]:
+  """-> (loss, aux): aux["metrics"] (policy-gradient metrics, replay override rate) and, for MoE
+  models, aux["router_load"] for the aux-loss-free bias update (as the LM objective)."""
+  tokens, segments = batch["tokens"], batch["segment_ids"]
+  out = model_lib.forward(cfg, params, tokens, segments, batch["positions"],
+                          batch.get("forced_routes"), with_mtp=False,
+                          replay_fallback=weights.replay_fallback)
+  targets, mask = targets_lib.next_token_targets(tokens, segments, batch["loss_mask"], offset=1)
+  b, t = tokens.shape
+  logp = token_logprobs(out["hidden"].reshape(b * t, -1), model_lib.head_kernel(cfg, params),
+                        targets.reshape(-1), weights.chunk_size).reshape(b, t)
+  ahead = lambda name: targets_lib.shift_left(batch[name].astype(jnp.float32), 1)
+  ref = ahead("ref_logp") if "ref_logp" in batch else None
+  loss, metrics = pg.policy_gradient_loss(
+      logp, ahead("sampler_logp"), ahead("advantages"), mask, normalizer=weights.normalizer,
+      ref_logp=ref, kl_coef=weights.kl_coef, kl_placement=weights.kl_placement,
+      is_cap=weights.is_cap)
+  metrics = {f"rl/{name}": value for name, value in metrics.items()}
+  aux = {"metrics": metrics, "logp": jax.lax.stop_gradient(logp)}
+  if cfg.num_moe_layers:
+    moe = out["aux"]["moe"]
+    if "replay_override_rate" in moe:
+      metrics["rl/replay_override_rate"] = jnp.mean(moe["replay_override_rate"])
+    aux["router_load"] = model_lib.router_loads(out["aux"])
+  metrics["loss"] = loss
+  return loss, aux

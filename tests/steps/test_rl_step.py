@@ -1,0 +1,95 @@
+"""The RL objective and step: chunked token log-probs, the loss against a full-logits closed form,
+router replay of the model's own routes, and the policy moving the way the advantages say."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from c2 import model
+from c2.losses.lm import LossWeights
+from c2.losses.rl import RLLossWeights, rl_loss, token_logprobs
+from c2.steps.context import StepContext
+from c2.steps.rl import rl_step
+from c2.train.state import TrainState
+
+
+@pytest.mark.parametrize("n, chunk", [(10, 4), (8, 8), (5, 16)])
+def test_token_logprobs_equal_the_full_log_softmax_value_and_gradient(n, chunk):
+  keys = jax.random.split(jax.random.key(0), 3)
+  hidden = jax.random.normal(keys[0], (n, 6))
+  kernel = jax.random.normal(keys[1], (6, 11))
+  targets = jax.random.randint(keys[2], (n,), 0, 11)
+  full = lambda h, w: jnp.take_along_axis(jax.nn.log_softmax(h @ w), targets[:, None], -1)[:, 0]
+  np.testing.assert_allclose(token_logprobs(hidden, kernel, targets, chunk), full(hidden, kernel),
+                             rtol=1e-6, atol=1e-6)
+  weights = jnp.arange(n, dtype=jnp.float32)
+  g_chunked = jax.grad(lambda h, w: jnp.sum(weights * token_logprobs(h, w, targets, chunk)),
+                       argnums=(0, 1))(hidden, kernel)
+  g_full = jax.grad(lambda h, w: jnp.sum(weights * full(h, w)), argnums=(0, 1))(hidden, kernel)
+  for a, b in zip(g_chunked, g_full):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _batch(cfg, rng):
+  b, t = 2, 12
+  keys = jax.random.split(rng, 3)
+  tokens = jax.random.randint(keys[0], (b, t), 2, cfg.vocab_size)
+  segment_ids = jnp.ones((b, t), jnp.int32).at[1, 9:].set(0)  # row 1 padded at the end
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  loss_mask = jnp.zeros((b, t)).at[:, 4:].set(1.0) * (segment_ids > 0)  # prompt: 4 tokens
+  advantages = jnp.array([[0.7], [-0.4]]) * loss_mask
+  sampler_logp = -jnp.abs(jax.random.normal(keys[1], (b, t)))
+  return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions,
+          "loss_mask": loss_mask, "advantages": advantages, "sampler_logp": sampler_logp}
+
+
+def test_rl_loss_matches_the_closed_form_from_full_logits(small_cfg):
+  params = model.init_params(small_cfg, jax.random.key(1))
+  batch = _batch(small_cfg, jax.random.key(2))
+  weights = RLLossWeights(normalizer=64.0, chunk_size=5)
+  loss, aux = rl_loss(small_cfg, params, batch, weights)
+  # Closed form: position t predicts token t + 1; model tokens from index 4 on, same segment.
+  logits = model.logits(small_cfg, params, batch["tokens"], batch["segment_ids"],
+                        batch["positions"])
+  logp_all = jax.nn.log_softmax(logits.astype(jnp.float32))
+  logp = jnp.take_along_axis(logp_all[:, :-1], batch["tokens"][:, 1:, None], -1)[..., 0]
+  mask = batch["loss_mask"][:, 1:] * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+  expected = -jnp.sum(mask * batch["advantages"][:, 1:] * logp) / 64.0
+  np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(aux["logp"][:, :-1] * mask, logp * mask, atol=1e-5)
+  assert float(aux["metrics"]["rl/tokens"]) == float(mask.sum()) == 8 + 5
+
+  # Replaying the model's own routes changes nothing and overrides nothing.
+  routes = model.forward(small_cfg, params, batch["tokens"], batch["segment_ids"],
+                         batch["positions"], with_mtp=False)["aux"]["moe"]["routes"]
+  replayed, aux_r = rl_loss(small_cfg, params, {**batch, "forced_routes": routes}, weights)
+  np.testing.assert_allclose(replayed, loss, rtol=1e-6, atol=1e-7)
+  assert float(aux_r["metrics"]["rl/replay_override_rate"]) == 0.0
+
+
+def test_rl_steps_raise_the_logp_of_positive_advantages(small_cfg):
+  batch = _batch(small_cfg, jax.random.key(3))
+  tx = optax.adam(3e-3)
+  params = model.init_params(small_cfg, jax.random.key(4))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  weights = RLLossWeights(normalizer=24.0, chunk_size=8)
+  ctx = StepContext(model=small_cfg, tx=tx, loss_weights=LossWeights(), rl=weights)
+  step = jax.jit(lambda s, b: rl_step(s, b, ctx=ctx))
+  logp = lambda p: rl_loss(small_cfg, p, batch, weights)[1]["logp"]
+  before = logp(state.params)
+  for _ in range(5):
+    state, metrics = step(state, batch)
+  after = logp(state.params)
+  assert int(state.step) == 5 and np.isfinite(float(metrics["loss"]))
+  assert float(metrics["grad_norm"]) > 0
+  # Row 0 (advantage +0.7) became more likely, row 1 (-0.4) less, on its model tokens.
+  sl = slice(3, 11)
+  assert float(jnp.mean(after[0, sl] - before[0, sl])) > 0.05
+  assert float(jnp.mean(after[1, 3:8] - before[1, 3:8])) < -0.02
+
+
+def test_rl_step_without_rl_weights_says_so(small_cfg):
+  ctx = StepContext(model=small_cfg, tx=optax.sgd(0.1), loss_weights=LossWeights())
+  with pytest.raises(ValueError, match="StepContext.rl"):
+    rl_step(None, {}, ctx=ctx)
