@@ -103,6 +103,7 @@ class CodingEnv:
                                         "malformed_tool_calls", "summaries")}
     self.tool_names_used: list[str] = []
     self.final_message = ""
+    self._context_count = (None, 0, 0)  # (the list counted, messages counted, their tokens)
     self._initial_files = self.workspace.files()  # for stats().files_changed
     self._reward: Optional[rewards.RewardBreakdown] = None
     self._grade: Optional[grading.GradeResult] = None
@@ -281,7 +282,14 @@ class CodingEnv:
     return observation
 
   def _context_tokens(self) -> int:
-    return sum(self.count_tokens(json.dumps(m)) for m in self.messages)
+    """Tokens of the current context, counting only the messages added since the last call (the
+    context only grows until a restart replaces the list; a real tokenizer is not cheap)."""
+    counted_list, counted, total = self._context_count
+    if counted_list is not self.messages:
+      counted, total = 0, 0
+    total += sum(self.count_tokens(json.dumps(m)) for m in self.messages[counted:])
+    self._context_count = (self.messages, len(self.messages), total)
+    return total
 
   def _context_full(self) -> bool:
     trigger = self.config.summary.trigger_tokens
