@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from c2.data import chat
 from c2.data import tool_calls as tool_call_parser
 from c2.envs import grading, rewards, sandbox, sandbox_host
-from c2.envs.tasks import Task, write_files
+from c2.envs.tasks import Task, write_workspace
 from c2.envs.tools import ToolConfig, ToolError, Tools
 from c2.envs.workspace import Snapshot, Workspace
 
@@ -327,10 +327,14 @@ class CodingEnv:
 
 
 def workspace_for(task: Task, parent=None) -> Workspace:
-  """A fresh workspace holding the task's files (a snapshot path, then the inline files)."""
-  workspace = Workspace.create(task.files_path if task.files_path else dict(task.files), parent)
-  if task.files_path and task.files:
-    write_files(workspace.root, task.files)
+  """A fresh workspace holding the task's files, laid out as c2.envs.tasks.write_workspace lays
+  them out for grading and the SWE-bench loader (a tarball's single top-level folder stripped)."""
+  workspace = Workspace.create({}, parent)
+  try:
+    write_workspace(task, workspace.root)
+  except BaseException:
+    workspace.cleanup()
+    raise
   return workspace
 
 

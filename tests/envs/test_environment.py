@@ -472,3 +472,21 @@ def test_changing_files_only_through_the_shell_is_penalised(env):
   assert breakdown.penalties["shell_only"] == 0.1
   assert breakdown.total == pytest.approx(
       breakdown.task - breakdown.length_penalty - 0.1)
+
+
+def test_a_tarball_snapshot_is_laid_out_as_the_grader_sees_it(tmp_path):
+  """GitHub-style archives hold one top-level folder: the environment's workspace strips it, as
+  the task loader and the grader do, so hidden test paths line up."""
+  import tarfile
+  source = tmp_path / "repo-main"
+  (source / "pkg").mkdir(parents=True)
+  (source / "pkg" / "mod.py").write_text("A = 1\n")
+  archive = tmp_path / "snapshot.tar.gz"
+  with tarfile.open(archive, "w:gz") as tar:
+    tar.add(source, arcname="repo-main")
+  task = tasks.Task(task_id="tar", prompt="p", files={"extra.txt": "x\n"}, files_path=str(archive))
+  env = CodingEnv(task)
+  try:
+    assert env.workspace.files() == {"pkg/mod.py": b"A = 1\n", "extra.txt": b"x\n"}
+  finally:
+    env.close()
