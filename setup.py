@@ -19,6 +19,9 @@ CORE = [
     "absl-py",
 ]
 
+# The RL system's Ray backend (c2/rl/ray_backend.py); the tests run it, so `test` has it too.
+RAY = "ray==2.60.0"
+
 setup(
     name="c2",
     version="0.1.0",
@@ -28,7 +31,9 @@ setup(
                                     "experiments"]),
     install_requires=CORE,
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "openai==3.60.0"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "openai==3.60.0", RAY],
+        # Engines and environment workers as Ray actors (rl.backend = "ray").
+        "rl": [RAY],
         # Test-time numerics references and Hugging Face checkpoint import/export.
         "hf": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
         # libtpu for TPU runs and for AOT compilation to TPU topologies from a CPU host.

@@ -95,6 +95,42 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """The RL phase (c2/rl): rollouts, groups, staleness, the objective, weight publication.
+  Rows of the packed batch are data.global_batch_size x data.seq_len tokens."""
+  backend: str = "threads"  # threads (in-process) | ray (actors; pip install .[rl])
+  env_workers: int = 8  # rollouts in flight
+  engines: int = 1  # engine workers (ray backend)
+  engine_slots: int = 16  # decode batch per engine
+  draft_depth: int = 0  # MTP speculative decoding in rollouts
+  tasks: str = "generated"  # generated (c2/envs/task_generator.py) | jsonl:PATH (c2/envs/tasks.py)
+  task_levels: str = "1"  # generated tasks: comma-separated ladder levels
+  train_tasks: int = 4000  # generated tasks of the train split (each used once)
+  heldout_tasks: int = 64  # generated tasks of the held-out split (pass-rate evaluation)
+  eval_samples: int = 2  # rollouts per held-out task
+  eval_every: int = 10  # steps between held-out evaluations (also at the start and the end)
+  group_size: int = 8  # rollouts per task (G)
+  groups_per_step: int = 4
+  max_staleness: int = 1  # versions a token may lag the learner; 0: synchronous
+  max_retries: int = 2  # per rollout whose worker died
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_new_tokens: int = 256  # per turn
+  max_context: int = 0  # tokens per rollout context; 0: data.seq_len
+  normalizer: float = 0.0  # constant loss normaliser (Dr. GRPO); 0: batch rows x seq_len
+  kl_coef: float = 0.0
+  kl_placement: str = "reward"  # reward (detached per-token shaping) | loss | none
+  is_cap: Optional[float] = None  # truncated importance weights pi_train / pi_sampler
+  router_replay: bool = True
+  replay_fallback: str = "rank"  # c2.model.router.replay_threshold rule
+  publish_dtype: str = "bfloat16"  # weights as the engines get them (float32: trainer numerics)
+  snapshot_every: int = 8  # full snapshot every N versions, deltas in between
+  attention_weight: float = 1.0  # packing cost of attention relative to tokens
+  curriculum_start_group: Optional[int] = None  # upsample hard task kinds after N groups
+  curriculum_window: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
 class AotConfig:
   # Default target of `python -m c2.aot` for this experiment (slices: mesh.num_slices).
   topology: str = "v5p:2x2x1"
@@ -110,6 +146,8 @@ class ExperimentConfig:
   train: TrainConfig
   checkpoint: CheckpointConfig
   aot: AotConfig
+  rl: RLConfig = RLConfig()
+  env: Optional[dict] = None  # the RL environment's section (c2/envs/config.py), checked there
   name: str = "experiment"
 
   def validate_for_devices(self, num_devices: int) -> dict[str, int]:
@@ -139,7 +177,7 @@ class ConfigError(ValueError):
 
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-             "checkpoint": CheckpointConfig, "aot": AotConfig}
+             "checkpoint": CheckpointConfig, "aot": AotConfig, "rl": RLConfig}
 
 
 def _unknown_key(key: str, known, prefix: str, what: str = "a known key") -> ConfigError:
@@ -243,7 +281,7 @@ def _model_config(values: Mapping[str, Any]) -> ModelConfig:
 def from_config_dict(config: Any) -> ExperimentConfig:
   """ConfigDict (or nested dict) -> validated ExperimentConfig."""
   raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-  known = {"phase", "name", "model", *_SECTIONS}
+  known = {"phase", "name", "model", "env", *_SECTIONS}
   for key in raw:
     if key not in known:
       raise _unknown_key(key, known, "", "a known section")
@@ -254,8 +292,12 @@ def from_config_dict(config: Any) -> ExperimentConfig:
     raise ConfigError(f"config.phase={phase!r} has no train step yet (c2.steps.STEPS has "
                       f"{sorted(STEPS)}); register the phase's step there before running it")
   sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
+  env = raw.get("env")
+  if env is not None:  # checked now, used by the RL trainer (c2/envs/config.py)
+    from c2.envs import config as env_config  # pylint: disable=import-outside-toplevel
+    env_config.to_env_config(env)
   exp = ExperimentConfig(phase=phase, model=_model_config(raw.get("model", {})),
-                         name=raw.get("name", "experiment"), **sections)
+                         name=raw.get("name", "experiment"), env=env, **sections)
   _cross_validate(exp)
   return exp
 
@@ -292,5 +334,34 @@ def _cross_validate(exp: ExperimentConfig) -> None:
       raise ConfigError(f"config.train.{name} must be positive")
   if exp.checkpoint.every_steps <= 0 or exp.checkpoint.keep <= 0:
     raise ConfigError("config.checkpoint.every_steps and keep must be positive")
+  if exp.phase == "rl":
+    _validate_rl(exp)
   if math.prod(v for v in exp.mesh.axis_sizes().values() if v > 0) <= 0:
     raise ConfigError("config.mesh: axis sizes must be positive or -1")
+
+
+def _validate_rl(exp: ExperimentConfig) -> None:
+  rl, data = exp.rl, exp.data
+  if rl.backend not in ("threads", "ray"):
+    raise ConfigError(f"config.rl.backend={rl.backend!r}; choose threads or ray")
+  if rl.kl_placement not in ("reward", "loss", "none"):
+    raise ConfigError(f"config.rl.kl_placement={rl.kl_placement!r}; choose reward, loss or none")
+  if rl.publish_dtype not in ("bfloat16", "float32"):
+    raise ConfigError(f"config.rl.publish_dtype={rl.publish_dtype!r}; choose bfloat16 or float32")
+  if rl.group_size < 2:
+    raise ConfigError("config.rl.group_size must be >= 2: advantages are relative to the group")
+  if rl.max_staleness < 0 or rl.groups_per_step < 1 or rl.env_workers < 1:
+    raise ConfigError("config.rl.max_staleness must be >= 0, groups_per_step and env_workers >= 1")
+  if rl.max_context > data.seq_len:
+    raise ConfigError(f"config.rl.max_context={rl.max_context} exceeds data.seq_len="
+                      f"{data.seq_len}: a rollout context must fit one packed row; raise "
+                      "data.seq_len or lower rl.max_context")
+  if rl.tasks != "generated" and not rl.tasks.startswith("jsonl:"):
+    raise ConfigError(f"config.rl.tasks={rl.tasks!r}; use 'generated' or 'jsonl:/path/tasks.jsonl'")
+  try:
+    levels = [int(v) for v in rl.task_levels.split(",")]
+  except ValueError:
+    raise ConfigError(f"config.rl.task_levels={rl.task_levels!r}: comma-separated integers, "
+                      "e.g. '1,2'") from None
+  if not set(levels) <= {1, 2, 3, 4, 5}:
+    raise ConfigError(f"config.rl.task_levels={rl.task_levels!r}: levels are 1..5")

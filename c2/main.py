@@ -62,7 +62,11 @@ def main(argv) -> None:
     exp.validate_for_devices(jax.device_count())
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
-  loop.run(exp, FLAGS.workdir)
+  if exp.phase == "rl":
+    from c2.rl import learner  # pylint: disable=import-outside-toplevel
+    learner.run(exp, FLAGS.workdir)
+  else:
+    loop.run(exp, FLAGS.workdir)
 
 
 if __name__ == "__main__":

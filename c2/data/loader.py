@@ -74,9 +74,18 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
       for shard in shards})
 
 
-def batch_sharding(mesh: jax.sharding.Mesh, global_shape: tuple[int, int]) -> NamedSharding:
-  spec = sharding.logical_to_spec(("batch", "length"), global_shape, dict(mesh.shape))
+def batch_sharding(mesh: jax.sharding.Mesh, global_shape: tuple[int, ...],
+                   names: tuple = ("batch", "length")) -> NamedSharding:
+  spec = sharding.logical_to_spec(names, global_shape, dict(mesh.shape))
   return NamedSharding(mesh, spec)
+
+
+def batch_axis_names(key: str, ndim: int) -> tuple:
+  """Logical names of a batch array: [B, T] arrays, and the RL batch's recorded routes
+  [Y, B, T, K] (c2/losses/rl.py)."""
+  if key == "forced_routes":
+    return ("layers", "batch", "length", None)
+  return ("batch", "length")[:ndim]
 
 
 def to_global(local_batch: dict, mesh: jax.sharding.Mesh) -> dict:
@@ -88,9 +97,13 @@ def to_global(local_batch: dict, mesh: jax.sharding.Mesh) -> dict:
   """
   out = {}
   with jax.transfer_guard_host_to_device("allow"):
-    for key in BATCH_KEYS:
+    for key in (BATCH_KEYS if set(local_batch) == set(BATCH_KEYS) else sorted(local_batch)):
       local = np.asarray(local_batch[key])
-      global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-      out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape),
-                                                        local, global_shape)
+      names = batch_axis_names(key, local.ndim)
+      axis = names.index("batch")
+      global_shape = list(local.shape)
+      global_shape[axis] *= jax.process_count()
+      global_shape = tuple(global_shape)
+      out[key] = jax.make_array_from_process_local_data(
+          batch_sharding(mesh, global_shape, names), local, global_shape)
   return out

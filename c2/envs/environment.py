@@ -68,6 +68,7 @@ class EnvConfig:
   parallel_read_calls: bool = True
   system_prompt: str = DEFAULT_SYSTEM_PROMPT
   thinking: bool = True  # replies given as text start inside <think> (the generation prompt's)
+  tool_descriptions: bool = True  # False: schemas without descriptions (a shorter system prompt)
   summary: SummaryConfig = SummaryConfig()
   reward: rewards.RewardConfig = rewards.RewardConfig()
   grading_mode: str = "fraction"  # grading.REWARD_MODES
@@ -183,7 +184,7 @@ class CodingEnv:
             for segment in self.segments()]
 
   def tool_schemas(self) -> list[dict]:
-    return self.config.tools.schemas()
+    return self.config.tools.schemas(self.config.tool_descriptions)
 
   def close(self) -> None:
     self.workspace.cleanup()

@@ -87,8 +87,20 @@ class ToolConfig:
     if "finish" not in self.enabled:
       raise ValueError("ToolConfig.enabled must include 'finish' (the only way to end a rollout)")
 
-  def schemas(self) -> list[dict]:
-    return [SCHEMAS[name] for name in self.enabled]
+  def schemas(self, descriptions: bool = True) -> list[dict]:
+    """The enabled tools' JSON schemas; without descriptions (names, argument names and types
+    only) they cost about a third of the prompt tokens, which matters for a small model on CPU
+    that learned the tools from transcripts rather than from reading their documentation."""
+    schemas = [SCHEMAS[name] for name in self.enabled]
+    return schemas if descriptions else [_without_descriptions(s) for s in schemas]
+
+
+def _without_descriptions(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _without_descriptions(v) for k, v in value.items() if k != "description"}
+  if isinstance(value, list):
+    return [_without_descriptions(v) for v in value]
+  return value
 
 
 def check_arguments(name: str, arguments: Any, config: ToolConfig) -> dict:

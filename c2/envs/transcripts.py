@@ -14,6 +14,7 @@ heldout splits of the generator.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import concurrent.futures
 import json
 import os
@@ -23,6 +24,7 @@ from c2.envs import task_generator
 from c2.envs.environment import CodingEnv, EnvConfig
 from c2.envs.policies import OraclePolicy, run_episode
 from c2.envs.tasks import SPLITS, Task
+from c2.envs.tools import ToolConfig
 
 
 def oracle_transcript(task: Task, config: EnvConfig = EnvConfig()) -> dict:
@@ -67,13 +69,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--heldout-count", type=int, default=None, help="default: count // 4")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--tools", default=None,
+                      help="comma-separated tools the environment offers (default: all; finish "
+                           "is required); fewer tools make a shorter system prompt")
+  parser.add_argument("--no-tool-descriptions", action="store_true",
+                      help="tool schemas without descriptions in the system prompt (shorter)")
+  parser.add_argument("--levels", default=None,
+                      help="comma-separated difficulty levels of task_generator.LADDER (default: all)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
+  config = EnvConfig(tool_descriptions=not args.no_tool_descriptions)
+  if args.tools:
+    config = dataclasses.replace(config, tools=ToolConfig(enabled=tuple(args.tools.split(","))))
+  levels = tuple(int(v) for v in args.levels.split(",")) if args.levels else None
   counts = {"train": args.count, "heldout": args.heldout_count or max(1, args.count // 4)}
   for split in SPLITS:
-    tasks = task_generator.generate(args.seed, counts[split], split=split)
+    tasks = task_generator.generate(args.seed, counts[split], split=split, **({"levels": levels} if levels else {}))
     path = os.path.join(args.out, f"{split}-00000.jsonl")
-    written = write_split(path, oracle_transcripts(tasks, workers=args.workers))
+    written = write_split(path, oracle_transcripts(tasks, config, workers=args.workers))
     print(f"{split}: {written} transcripts -> {path}")
   return 0
 

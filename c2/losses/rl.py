@@ -63,10 +63,8 @@ def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array
   return jax.lax.map(one, (h, t.astype(jnp.int32))).reshape(-1)[:n]
 
 
-def rl_loss(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
-            ) -> tuple[jax.Array, dict]:
-  """-> (loss, aux): aux["metrics"] (policy-gradient metrics, replay override rate) and, for MoE
-  models, aux["router_load"] for the aux-loss-free bias update (as the LM objective)."""
+def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights):
+  """-> (model outputs, logp [B, T] of each position's next token, its mask)."""
   tokens, segments = batch["tokens"], batch["segment_ids"]
   out = model_lib.forward(cfg, params, tokens, segments, batch["positions"],
                           batch.get("forced_routes"), with_mtp=False,
@@ -75,6 +73,24 @@ def rl_loss(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
   b, t = tokens.shape
   logp = token_logprobs(out["hidden"].reshape(b * t, -1), model_lib.head_kernel(cfg, params),
                         targets.reshape(-1), weights.chunk_size).reshape(b, t)
+  return out, logp, mask
+
+
+def reference_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
+                       ) -> jax.Array:
+  """float32 [B, T]: log-prob of every model token under `params` (the reference policy), indexed
+  by the token like `sampler_logp` (0 on other tokens), with the same router replay; the batch's
+  `ref_logp` for the k1 KL term."""
+  _, logp, mask = _forward_logprobs(cfg, params, batch, weights)
+  by_token = jnp.pad(logp * mask, ((0, 0), (1, 0)))[:, :-1]  # position t predicts token t + 1
+  return jax.lax.stop_gradient(by_token)
+
+
+def rl_loss(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
+            ) -> tuple[jax.Array, dict]:
+  """-> (loss, aux): aux["metrics"] (policy-gradient metrics, replay override rate) and, for MoE
+  models, aux["router_load"] for the aux-loss-free bias update (as the LM objective)."""
+  out, logp, mask = _forward_logprobs(cfg, params, batch, weights)
   ahead = lambda name: targets_lib.shift_left(batch[name].astype(jnp.float32), 1)
   ref = ahead("ref_logp") if "ref_logp" in batch else None
   loss, metrics = pg.policy_gradient_loss(

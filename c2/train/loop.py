@@ -38,7 +38,7 @@ class NonFiniteLossError(RuntimeError):
   pass
 
 
-class _Preemption:
+class Preemption:
   """Turns SIGTERM into a flag the loop checks, so the run saves before it exits."""
 
   def __init__(self):
@@ -245,7 +245,7 @@ def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
   metrics, last_checked, started = {}, step, time.time()
   throughput = _Throughput(exp)
   bar = tqdm.tqdm(total=last_step, initial=step, disable=not run.is_primary, dynamic_ncols=True)
-  with _Preemption() as preemption, program.context(), jax.transfer_guard("disallow"):
+  with Preemption() as preemption, program.context(), jax.transfer_guard("disallow"):
     while step < last_step:
       batch = loader.to_global(next(run.train_iter), program.mesh)
       run.state, metrics = program.train_step(run.state, batch)

@@ -23,13 +23,16 @@ from c2 import optim
 from c2.config import ExperimentConfig
 from c2.data import loader
 from c2.losses.lm import LossWeights
+from c2.losses.rl import RLLossWeights
 from c2.model import ROUTER_BIAS
 from c2.parallel.sharding import with_shardings
 from c2.steps import STEPS, StepContext
+from c2.steps import rl as rl_steps
 from c2.train import state as state_lib
 
 BATCH_DTYPES = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
-                "loss_mask": jnp.float32}
+                "loss_mask": jnp.float32, "advantages": jnp.float32, "sampler_logp": jnp.float32,
+                "ref_logp": jnp.float32, "forced_routes": jnp.int32}
 # The production matmul precision, pinned so that the trainer and the AOT check lower the same
 # program whatever the process-wide setting (the CPU tests set "highest"; Mosaic kernels reject
 # HIGHEST on bf16 operands).
@@ -53,7 +56,32 @@ def step_context(exp: ExperimentConfig, optimizer: optim.Optimizer) -> StepConte
                         mtp_detach_trunk=t.mtp_detach_trunk,
                         balance_loss_weight=t.balance_loss_weight)
   return StepContext(model=exp.model, tx=optimizer.tx, loss_weights=weights,
-                     bias_update_rate=t.bias_update_rate, schedule=optimizer.schedule)
+                     bias_update_rate=t.bias_update_rate, schedule=optimizer.schedule,
+                     rl=rl_loss_weights(exp) if exp.phase == "rl" else None)
+
+
+def rl_loss_weights(exp: ExperimentConfig) -> RLLossWeights:
+  rl = exp.rl
+  return RLLossWeights(
+      normalizer=rl.normalizer or float(exp.data.global_batch_size * exp.data.seq_len),
+      chunk_size=exp.train.ce_chunk_size, kl_coef=rl.kl_coef, kl_placement=rl.kl_placement,
+      is_cap=rl.is_cap, replay_fallback=rl.replay_fallback)
+
+
+def uses_reference(exp: ExperimentConfig) -> bool:
+  """Whether the RL batch carries the reference policy's log-probs (the k1 KL term)."""
+  return exp.phase == "rl" and exp.rl.kl_coef > 0 and exp.rl.kl_placement != "none"
+
+
+def batch_keys(exp: ExperimentConfig) -> tuple[str, ...]:
+  if exp.phase != "rl":
+    return loader.BATCH_KEYS
+  keys = loader.BATCH_KEYS + ("advantages", "sampler_logp")
+  if uses_reference(exp):
+    keys += ("ref_logp",)
+  if exp.rl.router_replay and exp.model.num_moe_layers:
+    keys += ("forced_routes",)
+  return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +96,7 @@ class Program:
   train_step: Callable  # (state, batch) -> (state, metrics); donates the state
   eval_step: Callable  # (params, batch) -> metrics
   target_generation: Optional[str] = None  # Pallas kernels' TPU generation when not this host's
+  reference_logp: Optional[Callable] = None  # rl: (ref params, batch) -> ref_logp [B, T]
 
   @contextlib.contextmanager
   def context(self):
@@ -90,10 +119,14 @@ class Program:
 
 
 def abstract_batch(exp: ExperimentConfig, mesh: jax.sharding.Mesh) -> dict[str, Any]:
-  shape = (exp.data.global_batch_size, exp.data.seq_len)
-  sharding = loader.batch_sharding(mesh, shape)
-  return {key: jax.ShapeDtypeStruct(shape, BATCH_DTYPES[key], sharding=sharding)
-          for key in loader.BATCH_KEYS}
+  b, t = exp.data.global_batch_size, exp.data.seq_len
+  out = {}
+  for key in batch_keys(exp):
+    shape = ((exp.model.num_moe_layers, b, t, exp.model.experts_per_token)
+             if key == "forced_routes" else (b, t))
+    sharding = loader.batch_sharding(mesh, shape, loader.batch_axis_names(key, len(shape)))
+    out[key] = jax.ShapeDtypeStruct(shape, BATCH_DTYPES[key], sharding=sharding)
+  return out
 
 
 def build(exp: ExperimentConfig, mesh: jax.sharding.Mesh, *,
@@ -112,6 +145,14 @@ def build(exp: ExperimentConfig, mesh: jax.sharding.Mesh, *,
                        out_shardings=(shardings, replicated), donate_argnums=0)
   eval_step = jax.jit(functools.partial(steps.eval, ctx=ctx),
                       in_shardings=(shardings.params, batch_shardings), out_shardings=replicated)
+  reference_logp = None
+  if uses_reference(exp):
+    reference_logp = jax.jit(
+        functools.partial(rl_steps.rl_reference_logp, ctx=ctx),
+        in_shardings=(shardings.params,
+                      {k: v for k, v in batch_shardings.items() if k != "ref_logp"}),
+        out_shardings=batch_shardings["tokens"])
   return Program(mesh=mesh, optimizer=optimizer, ctx=ctx, state_shardings=shardings,
-                 abstract_state=with_shardings(abstract, shardings), abstract_batch=batch, train_step=train_step,
-                 eval_step=eval_step, target_generation=target_generation)
+                 abstract_state=with_shardings(abstract, shardings), abstract_batch=batch,
+                 train_step=train_step, eval_step=eval_step, target_generation=target_generation,
+                 reference_logp=reference_logp)

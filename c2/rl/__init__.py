@@ -1,0 +1,1 @@
+"""The RL system: coordinator, rollouts, weight publication, backends, batch packing."""

@@ -1,0 +1,290 @@
+"""The RL phase's root: `python -m c2.main --config experiments/rl.py:tiny --workdir DIR` lands
+here. The only part of c2/rl that sees the experiment config.
+
+  prepare:  mesh -> tokenizer -> program (the RL step of c2/steps/rl.py, jitted with shardings)
+            -> init (from train.init_from, the SFT checkpoint) or resume -> weight store ->
+            backend (engines + environment workers) -> coordinator
+  loop:     next batch of graded groups (waiting is timed) -> advantages -> global packing ->
+            [reference log-probs] -> rl_step -> publish version step + 1 (asynchronous) ->
+            metrics; held-out pass rate every rl.eval_every steps; checkpoints (learner state +
+            coordinator state) on schedule, on SIGTERM and at the end.
+
+Resuming: rerunning the command restores the latest checkpoint and the coordinator's state from
+its metadata; versions published after that checkpoint are forgotten (they are published again);
+ready groups on disk are used as they are, groups in flight are rolled out again. Staleness
+(policy version lag of every trained token) is asserted to stay within rl.max_staleness, and at
+the end every started group is accounted for (trained, dropped stale, dropped failed, or left
+over ready / in flight).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from c2.config import ExperimentConfig
+from c2.data import loader
+from c2.envs import config as env_config_lib
+from c2.envs import task_generator
+from c2.envs.tasks import read_jsonl
+from c2.infer.sampling import SamplingParams
+from c2.rl import metrics as rl_metrics
+from c2.rl import publication
+from c2.rl.backends import Backend, make_backend
+from c2.rl.coordinator import Coordinator
+from c2.rl.curriculum import Curriculum
+from c2.rl.packing import pack_rl_batch
+from c2.rl.rollout import RolloutSpec
+from c2.rl.workers import WorkerSpec
+from c2.train import checkpoint as ckpt_lib
+from c2.train import loop as train_loop
+from c2.train import program as program_lib
+from c2.train.metrics import MetricWriter
+
+
+class StalenessError(AssertionError):
+  pass
+
+
+@dataclasses.dataclass
+class Learner:
+  exp: ExperimentConfig
+  workdir: str
+  program: program_lib.Program
+  state: object
+  reference_params: Optional[dict]
+  store: publication.WeightStore
+  publisher: publication.AsyncPublisher
+  backend: Backend
+  coordinator: Coordinator
+  checkpointer: ckpt_lib.Checkpointer
+  heldout: list
+  writer: MetricWriter
+  leftover: list = dataclasses.field(default_factory=list)
+
+
+def load_tasks(exp: ExperimentConfig, split: str, count: int) -> list:
+  rl = exp.rl
+  if rl.tasks.startswith("jsonl:"):
+    path = rl.tasks[len("jsonl:"):].format(split=split)
+    return read_jsonl(path)[:count]
+  levels = tuple(int(v) for v in rl.task_levels.split(","))
+  return task_generator.generate(exp.data.seed, count, split=split, levels=levels)
+
+
+def worker_spec(exp: ExperimentConfig, workdir: str, tokenizer_path: str) -> WorkerSpec:
+  rl = exp.rl
+  env = env_config_lib.to_env_config(exp.env) if exp.env is not None else (
+      env_config_lib.to_env_config(env_config_lib.env_section()))
+  sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                            top_p=rl.top_p)
+  model = exp.model
+  return WorkerSpec(model=model, store_dir=os.path.join(workdir, "weights"),
+                    tokenizer_path=tokenizer_path, env=env, sampling=sampling,
+                    max_context=rl.max_context or exp.data.seq_len,
+                    engine_slots=rl.engine_slots, draft_depth=rl.draft_depth)
+
+
+def _tokenizer_path(exp: ExperimentConfig, workdir: str) -> str:
+  train_loop.make_tokenizer(exp, workdir)  # checks the vocabulary; caches "default" in workdir
+  if exp.data.tokenizer == "default":
+    return os.path.join(workdir, "tokenizer.json")
+  return exp.data.tokenizer
+
+
+def prepare(exp: ExperimentConfig, workdir: str) -> Learner:
+  os.makedirs(workdir, exist_ok=True)
+  mesh = train_loop.make_mesh(exp)
+  tokenizer_path = _tokenizer_path(exp, workdir)
+  program = program_lib.build(exp, mesh)
+  train_loop.report_shardings(program)
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "ckpt"), keep=exp.checkpoint.keep,
+                                       async_save=False)
+  resumed = checkpointer.latest_step() is not None
+  meta = {}
+  if resumed:
+    with program.context():
+      state, meta = checkpointer.restore(program.abstract_state)
+    print(f"resumed from {checkpointer.directory} at step {int(state.step)}", flush=True)
+  else:
+    state = program.init_state(exp.train.seed)
+    if exp.train.init_from:
+      state = train_loop._load_init_from(exp, program, state)  # pylint: disable=protected-access
+    else:
+      print("train.init_from is not set: RL starts from random weights", flush=True)
+  step = int(jax.device_get(state.step))
+  reference = None
+  if program.reference_logp is not None and not resumed:  # the RL start checkpoint
+    reference = jax.tree.map(lambda x: x.copy(), state.params)
+  elif program.reference_logp is not None:  # resumed: rebuild the start point the same way
+    reference_state = program.init_state(exp.train.seed)
+    if exp.train.init_from:
+      reference_state = train_loop._load_init_from(exp, program, reference_state)  # pylint: disable=protected-access
+    reference = reference_state.params
+  rl = exp.rl
+  store = publication.WeightStore(os.path.join(workdir, "weights"),
+                                  snapshot_every=rl.snapshot_every, dtype=rl.publish_dtype)
+  store.truncate_after(step - 1)  # versions after the checkpoint are published again
+  store.publish(step, jax.device_get(state.params))
+  spec = worker_spec(exp, workdir, tokenizer_path)
+  backend = make_backend(rl.backend, spec, env_workers=rl.env_workers, engines=rl.engines)
+  backend.start(step)
+  needed = min(rl.train_tasks, exp.train.steps * rl.groups_per_step * 2 + 8)
+  train_tasks = load_tasks(exp, "train", needed)
+  curriculum = Curriculum(start_group=rl.curriculum_start_group, window=rl.curriculum_window)
+  coordinator = Coordinator(
+      backend, train_tasks, group_size=rl.group_size, groups_per_step=rl.groups_per_step,
+      max_staleness=rl.max_staleness, state_dir=os.path.join(workdir, "rl"),
+      latest_published=store.latest_version, total_steps=exp.train.steps,
+      max_retries=rl.max_retries, seed=exp.data.seed, curriculum=curriculum)
+  if meta.get("data_state"):
+    coordinator.load_state_dict(meta["data_state"])
+  heldout = load_tasks(exp, "heldout", rl.heldout_tasks) if rl.heldout_tasks else []
+  writer = MetricWriter(os.path.join(workdir, "tb"), enabled=jax.process_index() == 0)
+  if not resumed:
+    writer.write_config(dataclasses.asdict(exp), {"rl/group_size": rl.group_size})
+  return Learner(exp, workdir, program, state, reference, store,
+                 publication.AsyncPublisher(store), backend, coordinator, checkpointer, heldout,
+                 writer)
+
+
+# ------------------------------------------------------------------------------------- steps
+
+
+def evaluate(learner: Learner, version: int, timeout: float = 3600.0) -> dict:
+  """Held-out pass rate at `version`: rl.eval_samples rollouts per held-out task, once the
+  engines sample with that version. Training rollouts keep running alongside."""
+  deadline = time.time() + timeout
+  while learner.backend.engine_version() < version:
+    learner.coordinator.pump()
+    if time.time() > deadline:
+      raise TimeoutError(f"engines did not reach version {version} for the evaluation")
+    time.sleep(0.05)
+  futures = []
+  for i, task in enumerate(learner.heldout):
+    for k in range(learner.exp.rl.eval_samples):
+      spec = RolloutSpec(-(i + 1), k, task.task_id, seed=10_007 * (i + 1) + k)
+      futures.append((task.task_id, learner.backend.submit(spec, task)))
+  results = []
+  for task_id, future in futures:
+    try:
+      rollout = future.result(timeout=max(deadline - time.time(), 1.0))
+      results.append((task_id, rollout.passed))
+    except Exception:  # pylint: disable=broad-except
+      results.append((task_id, False))  # an eval rollout that dies counts as a failure
+  return {f"eval/{k}": v for k, v in rl_metrics.pass_rate(results).items()}
+
+
+def _check_staleness(groups, step: int, bound: int) -> None:
+  for group in groups:
+    lag = step - group.min_version
+    if lag > bound:
+      raise StalenessError(f"group {group.group_id} trained at step {step} with tokens of "
+                           f"version {group.min_version}: lag {lag} > rl.max_staleness={bound}")
+
+
+def train_step(learner: Learner, step: int, groups) -> tuple[dict, object]:
+  """One learner update on `groups`; returns (host metrics, the packed batch)."""
+  exp, program = learner.exp, learner.program
+  sequences = learner.leftover + rl_metrics.train_sequences(groups)
+  b, t = exp.data.global_batch_size, exp.data.seq_len
+  sizes = exp.validate_for_devices(jax.device_count())
+  shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  with_routes = "forced_routes" in program.abstract_batch
+  batch, stats, learner.leftover = pack_rl_batch(
+      sequences, rows=b, row_len=t, shards=shards, attention_weight=exp.rl.attention_weight,
+      with_routes=with_routes, moe_layers=exp.model.num_moe_layers,
+      top_k=exp.model.experts_per_token)
+  with program.context():
+    batch = loader.to_global(batch, program.mesh)
+    if program.reference_logp is not None:
+      batch["ref_logp"] = program.reference_logp(learner.reference_params, batch)
+    learner.state, metrics = program.train_step(learner.state, batch)
+  metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+  metrics.update(stats.metrics())
+  return metrics, batch
+
+
+def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None,
+        on_step: Optional[Callable[[Learner, int], None]] = None) -> dict:
+  """Trains until exp.train.steps (or max_steps); returns the last metrics. `on_step(learner,
+  step)` runs before each step (the fault tests kill workers from it)."""
+  learner = prepare(exp, workdir)
+  rl = exp.rl
+  step = int(jax.device_get(learner.state.step))
+  last_step = min(exp.train.steps, max_steps or exp.train.steps)
+  learner.coordinator.start(step)
+  metrics: dict = {}
+  started = time.time()
+  try:
+    if step == 0 and learner.heldout:
+      first = evaluate(learner, 0)
+      learner.writer.write_scalars(0, first)
+      print(f"step 0: held-out pass rate {_format_rate(first)}", flush=True)
+    with train_loop.Preemption() as preemption:
+      while step < last_step:
+        if on_step is not None:
+          on_step(learner, step)
+        wait_start = time.time()
+        groups = learner.coordinator.next_batch(step)
+        waited = time.time() - wait_start
+        _check_staleness(groups, step, rl.max_staleness)
+        step_start = time.time()
+        metrics, _ = train_step(learner, step, groups)
+        learner.publisher.publish(step + 1, learner.state.params)
+        step_seconds = time.time() - step_start
+        step += 1
+        metrics.update(rl_metrics.rollout_metrics(groups, step - 1))
+        metrics.update(learner.backend.stats())
+        metrics.update({f"coordinator/{k}": float(v)
+                        for k, v in learner.coordinator.accounting().items()})
+        metrics.update({"perf/learner_step_sec": step_seconds, "perf/wait_sec": waited,
+                        "perf/wait_fraction": waited / max(waited + step_seconds, 1e-9)})
+        out_of_time = (exp.train.max_minutes is not None
+                       and time.time() - started > 60 * exp.train.max_minutes)
+        stop = preemption.requested or out_of_time or step == last_step
+        if learner.heldout and (step % rl.eval_every == 0 or step == last_step):
+          learner.publisher.wait()
+          metrics.update(evaluate(learner, step))
+          print(f"step {step}: held-out pass rate {_format_rate(metrics)}", flush=True)
+        if step % exp.train.log_every == 0 or stop:
+          learner.writer.write_scalars(step, metrics)
+          print(f"step {step}: reward {metrics.get('reward/mean', float('nan')):.3f} "
+                f"pass {metrics.get('rollout/pass_rate', float('nan')):.2f} "
+                f"staleness<= {metrics.get('rl/staleness_max', 0):.0f} "
+                f"wait {metrics['perf/wait_fraction']:.0%}", flush=True)
+        if step % exp.checkpoint.every_steps == 0 or stop:
+          save(learner)
+        if stop:
+          if preemption.requested:
+            print(f"SIGTERM: saved step {step}, exiting", flush=True)
+          break
+  finally:
+    learner.coordinator.close()
+    learner.publisher.close()
+    learner.backend.close()
+    learner.writer.close()
+  accounting = learner.coordinator.accounting()
+  print(f"groups: {accounting}\nweights: {learner.store.delta_stats()}\n"
+        f"TensorBoard logs: {os.path.join(workdir, 'tb')}\n"
+        f"Open the curves:  tensorboard --logdir {os.path.join(workdir, 'tb')}", flush=True)
+  return {**metrics, **{f"accounting/{k}": v for k, v in accounting.items()}}
+
+
+def save(learner: Learner) -> None:
+  """Learner state + coordinator state in one checkpoint; then the trained groups' files go."""
+  learner.checkpointer.save(learner.state, data_state=learner.coordinator.state_dict(),
+                            force=True)
+  learner.checkpointer.wait()
+  learner.coordinator.forget_trained()
+
+
+def _format_rate(m: dict) -> str:
+  return (f"{m.get('eval/pass_rate', float('nan')):.3f} (95% CI "
+          f"{m.get('eval/pass_rate_ci_low', float('nan')):.3f}-"
+          f"{m.get('eval/pass_rate_ci_high', float('nan')):.3f}, "
+          f"{m.get('eval/rollouts', 0):.0f} rollouts)")
