@@ -10,7 +10,7 @@ The tiny pipeline (CPU, no download): pretrain -> tool-use SFT on oracle transcr
 level-1 generated tasks, timings on 2 cores in the README section "Agentic RL":
   python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
   python -m c2.envs.transcripts --out runs/agentic-data --count 800 --levels 1 \
-    --tools read_file,edit_file,finish
+    --tools read_file,edit_file,finish --tool-declaration compact
   python -m c2.main --config experiments/sft.py:agentic --workdir runs/sft-agentic \
     --config.train.init_from=runs/tiny/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
   python -m c2.main --config experiments/rl.py:tiny --workdir runs/rl-tiny \
@@ -37,7 +37,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   variant = arg or "tiny"
   c = default_config("rl", preset="tiny")
   c.name = f"rl-{variant}"
-  c.env = env_section(EnvConfig(tools=ToolConfig(enabled=TINY_TOOLS), max_turns=6))
+  c.env = env_section(EnvConfig(tools=ToolConfig(enabled=TINY_TOOLS), max_turns=6,
+                                tool_declaration="compact"))
   # A constant learning rate (cosine to min_lr_ratio 1.0) after a short warmup; no decay of the
   # weights toward zero (they start from the SFT checkpoint); the router biases keep adapting.
   c.optim.update(peak_lr=1e-4, schedule="cosine", warmup_steps=2, min_lr_ratio=1.0,

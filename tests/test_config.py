@@ -70,3 +70,35 @@ def test_sft_needs_a_chat_source():
   c = _tiny()
   c.phase = "sft"
   assert "sft phase needs a chat JSONL" in _error(c)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "full"])
+def test_rl_experiment_variants_convert_with_their_environment(variant):
+  exp = config_lib.from_config_dict(load_experiment(f"experiments/rl.py:{variant}"))
+  assert exp.phase == "rl" and exp.env is not None
+  from c2.envs.config import to_env_config
+  env = to_env_config(exp.env)
+  assert "finish" in env.tools.enabled
+  if variant == "full":
+    assert exp.mesh.expert == 8 and exp.mesh.context == 8 and exp.rl.draft_depth >= 1
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rl.backend", "mpi", "choose threads or ray"),
+    ("rl.kl_placement", "both", "choose reward, loss or none"),
+    ("rl.group_size", 1, "group_size must be >= 2"),
+    ("rl.max_context", 4096, "exceeds data.seq_len"),
+    ("rl.task_levels", "1,x", "comma-separated integers"),
+    ("rl.tasks", "s3://tasks", "jsonl:"),
+])
+def test_bad_rl_settings_name_the_key(key, value, message):
+  c = load_experiment("experiments/rl.py:tiny")
+  section, name = key.split(".")
+  c[section][name] = value
+  assert message in _error(c) and name in _error(c)
+
+
+def test_bad_rl_environment_key_is_named():
+  c = load_experiment("experiments/rl.py:tiny")
+  c.env.tools.enabled = "read_file,edit_file"
+  assert "finish" in _error(c)

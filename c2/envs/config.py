@@ -20,7 +20,7 @@ from c2.envs.environment import EnvConfig, SummaryConfig
 from c2.envs.tools import ToolConfig
 
 _TOP = ("max_turns", "max_calls_per_turn", "parallel_read_calls", "system_prompt", "thinking",
-        "grading_mode", "tool_descriptions")
+        "grading_mode", "tool_declaration")
 _TOOLS = ("enabled", "max_read_lines", "max_tool_output_chars", "max_grep_matches",
           "max_write_bytes", "strict_arguments")
 _SANDBOX = ("cpu_seconds", "wall_seconds", "memory_bytes", "max_processes", "max_open_files",

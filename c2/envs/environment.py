@@ -43,6 +43,7 @@ DEFAULT_SUMMARY_REQUEST = (
     "Your context is almost full. Write a summary of your work so far that lets you continue "
     "from it alone: what the task is, what you changed (files and functions), what you found out, "
     "and what remains to do. Do not call tools in this reply.")
+TOOL_DECLARATIONS = ("full", "compact", "none")
 READ_ONLY_TOOLS = frozenset({"read_file", "list_dir", "grep"})  # safe to run concurrently
 
 
@@ -68,7 +69,9 @@ class EnvConfig:
   parallel_read_calls: bool = True
   system_prompt: str = DEFAULT_SYSTEM_PROMPT
   thinking: bool = True  # replies given as text start inside <think> (the generation prompt's)
-  tool_descriptions: bool = True  # False: schemas without descriptions (a shorter system prompt)
+  # How the prompt declares the tools: "full" schemas, "compact" (no descriptions: ~30% fewer
+  # tokens), or "none" (a policy that learned the tools from transcripts, e.g. the tiny CPU one).
+  tool_declaration: str = "full"
   summary: SummaryConfig = SummaryConfig()
   reward: rewards.RewardConfig = rewards.RewardConfig()
   grading_mode: str = "fraction"  # grading.REWARD_MODES
@@ -184,7 +187,14 @@ class CodingEnv:
             for segment in self.segments()]
 
   def tool_schemas(self) -> list[dict]:
-    return self.config.tools.schemas(self.config.tool_descriptions)
+    """The schemas the prompt declares (c2.data.chat renders them); the tools are the enabled
+    ones whatever is declared."""
+    declaration = self.config.tool_declaration
+    if declaration not in TOOL_DECLARATIONS:
+      raise ValueError(f"EnvConfig.tool_declaration={declaration!r}; choose {TOOL_DECLARATIONS}")
+    if declaration == "none":
+      return []
+    return self.config.tools.schemas(descriptions=declaration == "full")
 
   def close(self) -> None:
     self.workspace.cleanup()

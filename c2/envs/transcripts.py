@@ -72,13 +72,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tools", default=None,
                       help="comma-separated tools the environment offers (default: all; finish "
                            "is required); fewer tools make a shorter system prompt")
-  parser.add_argument("--no-tool-descriptions", action="store_true",
-                      help="tool schemas without descriptions in the system prompt (shorter)")
+  parser.add_argument("--tool-declaration", default="full", choices=("full", "compact", "none"),
+                      help="how the prompt declares the tools (environment.TOOL_DECLARATIONS)")
   parser.add_argument("--levels", default=None,
                       help="comma-separated difficulty levels of task_generator.LADDER (default: all)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  config = EnvConfig(tool_descriptions=not args.no_tool_descriptions)
+  config = EnvConfig(tool_declaration=args.tool_declaration)
   if args.tools:
     config = dataclasses.replace(config, tools=ToolConfig(enabled=tuple(args.tools.split(","))))
   levels = tuple(int(v) for v in args.levels.split(",")) if args.levels else None

@@ -54,7 +54,7 @@ def align_mtp(mtp_hidden: jax.Array, mtp_weights: jax.Array, depth: int):
   return pad(mtp_hidden), pad(mtp_weights)
 
 
-def _chunks(x: jax.Array, chunk: int, num_chunks: int) -> jax.Array:
+def strided_chunks(x: jax.Array, chunk: int, num_chunks: int) -> jax.Array:
   """[N, ...] -> [C, n, ...] strided: chunk j holds tokens j, j + C, ... so a data-parallel
   sharding of N in contiguous blocks stays on the n axis (every device works on every step)."""
   padded = num_chunks * chunk
@@ -62,8 +62,8 @@ def _chunks(x: jax.Array, chunk: int, num_chunks: int) -> jax.Array:
   return jnp.swapaxes(x.reshape((chunk, num_chunks) + x.shape[1:]), 0, 1)
 
 
-def _unchunk(x: jax.Array, num_tokens: int) -> jax.Array:
-  """Inverse of _chunks: [C, n, ...] -> [N, ...]."""
+def unchunk(x: jax.Array, num_tokens: int) -> jax.Array:
+  """Inverse of strided_chunks: [C, n, ...] -> [N, ...]."""
   x = jnp.swapaxes(x, 0, 1)
   return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])[:num_tokens]
 
@@ -132,7 +132,7 @@ def _run(spec: HeadLossSpec, with_grads: bool, hidden, mtp_hidden, kernel, targe
   num_tokens = hidden.shape[0]
   chunk = max(1, min(spec.chunk_size, num_tokens))
   num_chunks = -(-num_tokens // chunk)
-  chunked = [_chunks(x, chunk, num_chunks)
+  chunked = [strided_chunks(x, chunk, num_chunks)
              for x in (hidden, targets, weights, coef, mtp_hidden, mtp_weights, mtp_coef)]
   step = functools.partial(_chunk_step, spec, with_grads, kernel)
   zero_objective, zero_metrics, _ = jax.eval_shape(step, *(x[0] for x in chunked))
@@ -152,7 +152,7 @@ def _run(spec: HeadLossSpec, with_grads: bool, hidden, mtp_hidden, kernel, targe
   carry, per_chunk = jax.lax.scan(body, init, chunked)
   if not with_grads:
     return carry[0], carry[1], None
-  d_hidden, d_mtp = (_unchunk(x, num_tokens) for x in per_chunk)
+  d_hidden, d_mtp = (unchunk(x, num_tokens) for x in per_chunk)
   return carry[0], carry[1], (d_hidden, d_mtp, carry[2].astype(kernel.dtype))
 
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from c2 import model as model_lib
+from c2.losses import head as head_lib
 from c2.losses import policy_gradient as pg
 from c2.losses import targets as targets_lib
 from c2.model.config import ModelConfig
@@ -47,12 +48,14 @@ def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array
 
   Over token chunks under jax.checkpoint: the [N, V] logits never exist at once, and the backward
   pass recomputes one chunk's logits at a time (V = 163,840 at full scale)."""
-  n, d = hidden.shape
+  n = hidden.shape[0]
   chunk = min(chunk_size, n)
   num_chunks = -(-n // chunk)
-  pad = num_chunks * chunk - n
-  h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, d)  # [C, n, D]
-  t = jnp.pad(targets, (0, pad)).reshape(num_chunks, chunk)  # [C, n]
+  # Strided chunks (chunk j holds tokens j, j + C, ...), as the LM head loss does: a batch sharded
+  # in contiguous blocks of tokens stays sharded on each chunk's token axis, so every device
+  # works on every chunk and nothing is gathered.
+  h = head_lib.strided_chunks(hidden, chunk, num_chunks)  # [C, n, D]
+  t = head_lib.strided_chunks(targets.astype(jnp.int32), chunk, num_chunks)  # [C, n]
 
   @jax.checkpoint
   def one(args):
@@ -60,7 +63,7 @@ def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array
     logits = jnp.einsum("nD,DV->nV", h_c.astype(jnp.float32), head_kernel.astype(jnp.float32))
     return jnp.take_along_axis(jax.nn.log_softmax(logits), t_c[:, None], axis=-1)[:, 0]
 
-  return jax.lax.map(one, (h, t.astype(jnp.int32))).reshape(-1)[:n]
+  return head_lib.unchunk(jax.lax.map(one, (h, t)), n)
 
 
 def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights):
