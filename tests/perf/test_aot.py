@@ -118,3 +118,22 @@ def test_program_that_does_not_fit_exits_nonzero():
       capture_output=True, text=True, env=env, timeout=600, check=False)
   assert run.returncode == 1, run.stderr[-2000:]
   assert "DOES NOT FIT" in run.stdout
+
+
+@pytest.mark.slow  # a TPU compile of the tiny RL step: ~3 minutes on 2 loaded cores
+def test_rl_step_with_replay_and_reference_inputs_compiles_for_v5p():
+  """The RL learner's step (router replay, sampler and reference log-probs in the batch) on an
+  expert x context mesh, the layout kind experiments/rl.py:full uses (EP=8 / CP=8 there)."""
+  exp = _experiment("experiments/rl.py:tiny", **{
+      "mesh.fsdp": 1, "mesh.expert": 2, "mesh.context": 2, "data.global_batch_size": 4,
+      "data.seq_len": 512, "rl.kl_coef": 1e-3})
+  program = aot.tpu_program(exp, "v5p:2x2x1")
+  assert program.mesh.devices.flat[0].platform == "tpu"
+  assert set(program.abstract_batch) == {"tokens", "segment_ids", "positions", "loss_mask",
+                                         "advantages", "sampler_logp", "ref_logp",
+                                         "forced_routes"}
+  assert program.abstract_batch["forced_routes"].shape == (
+      exp.model.num_moe_layers, 4, 512, exp.model.experts_per_token)
+  report = aot.compile_step(exp, "v5p:2x2x1")
+  # ragged all-to-all: the TPU expert-parallel path, so this compiled for TPU, not the host CPU
+  assert report.fits and report.collectives["ragged-all-to-all"] > 0

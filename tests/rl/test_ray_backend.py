@@ -85,6 +85,7 @@ def test_rollouts_match_thread_backend(ray_world, rl_world):
       np.testing.assert_array_equal(a.routes, b.routes)
 
 
+@pytest.mark.slow  # the same contract as ThreadBackend's default tests; Ray costs ~15 s each
 def test_load_version(ray_world, rl_world):
   spec, backend = ray_world
   store = publication.WeightStore(spec.store_dir)
@@ -109,6 +110,7 @@ def expect_died(futures):
     assert isinstance(info.value, WorkerDiedError), repr(info.value)
 
 
+@pytest.mark.slow  # the same contract as ThreadBackend's default tests; Ray costs ~15 s each
 def test_kill_engine_fails_rollouts_and_replaces_it(ray_world, rl_world):
   _, backend = ray_world
   before = backend.stats()["workers/engine_restarts"]
@@ -120,6 +122,7 @@ def test_kill_engine_fails_rollouts_and_replaces_it(ray_world, rl_world):
   assert backend.stats()["workers/engine_restarts"] == before + 1
 
 
+@pytest.mark.slow  # the same contract as ThreadBackend's default tests; Ray costs ~15 s each
 def test_kill_env_worker_fails_its_rollout_and_replaces_it(ray_world, rl_world):
   _, backend = ray_world
   before = backend.stats()["workers/env_restarts"]
