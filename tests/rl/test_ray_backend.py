@@ -27,7 +27,9 @@ TIMEOUT_S = 120  # first rollouts include the engine actor's compile on a shared
 VERSION_POLL_S = ray_backend.VERSION_CACHE_S  # engine_version() answers from a cache this long
 # ray.init and the sandbox spawn processes with fork+exec, which JAX's fork warning cannot tell
 # from a bare fork.
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+# Slow: Ray start-up and its actors cost ~70 s of the default suite; ThreadBackend covers the
+# same contract there, and .ci/run runs these after the default suite.
+pytestmark = [pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

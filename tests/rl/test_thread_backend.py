@@ -63,7 +63,8 @@ class EngineGate:
     submit, step = engine.submit, engine.step
 
     def gated_submit(request):
-      pending.discard(request.id)
+      # Request ids are "<rollout>-<turn>-<attempt suffix>" (c2/rl/rollout.py): match the stem.
+      pending.discard(request.id.rsplit("-", 1)[0])
       return submit(request)
 
     def gated_step():

@@ -50,7 +50,7 @@ def test_the_step_loop_refuses_implicit_transfers(small_experiment, tmp_path, mo
     loop.run(exp, seed_dir(tmp_path / "leaky"))
 
 
-@pytest.mark.parametrize("phase", ["long_context", "rl"])
+@pytest.mark.parametrize("phase", ["long_context"])
 def test_a_phase_without_a_step_is_rejected_by_config_validation(phase):
   """Before any data is read or state restored: the ConfigDict -> ExperimentConfig conversion
   (the first thing c2.main and c2.aot do) refuses it and names the registry."""
