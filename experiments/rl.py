@@ -7,9 +7,10 @@ tokens lag the learner by at most rl.max_staleness versions. Weights go to the e
 snapshots and bf16 deltas (c2/rl/publication.py) while rollouts continue.
 
 The tiny pipeline (CPU, no download): pretrain -> tool-use SFT on oracle transcripts -> RL on the
-level-1 generated tasks, timings on 2 cores in the README section "Agentic RL":
+level-1 generated tasks (what was measured, and what is not reached yet, in the README section
+"Agentic RL"):
   python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
-  python -m c2.envs.transcripts --out runs/agentic-data --count 800 --levels 1 \
+  python -m c2.envs.transcripts --out runs/agentic-data --count 1200 --levels 1 \
     --tools read_file,edit_file,finish --tool-declaration compact
   python -m c2.main --config experiments/sft.py:agentic --workdir runs/sft-agentic \
     --config.train.init_from=runs/tiny/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json

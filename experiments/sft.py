@@ -21,7 +21,7 @@ Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/sft.py:full
   launch/run.sh --tpu NAME --zone ZONE --config experiments/sft.py:full --workdir gs://B/runs/sft \
     --config.train.init_from=gs://B/runs/long_context/ckpt
-Variants: tiny | proxy | full. Data: `jsonl:` / `parquet:` / `arrayrecord:` files of
+Variants: tiny | agentic (tool-use transcripts before RL, experiments/rl.py) | proxy | full. Data: `jsonl:` / `parquet:` / `arrayrecord:` files of
 {"messages": [...], "tools": [...]} records with a {split} of train / heldout (c2/data/sources.py).
 """
 import ml_collections
@@ -42,6 +42,15 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
   if variant == "tiny":
     pass
+  elif variant == "agentic":
+    # Tool-use SFT before RL (experiments/rl.py): the oracle's transcripts of generated tasks,
+    # `python -m c2.envs.transcripts --out runs/agentic-data ...`. Transcripts are 700-1,300
+    # tokens (a file read is most of them), so rows are long and few.
+    c.data.update(source="jsonl:runs/agentic-data/{split}-*.jsonl", seq_len=1536,
+                  global_batch_size=6)
+    c.optim.update(peak_lr=2e-3, warmup_steps=5)
+    c.train.update(steps=140, max_minutes=30.0, eval_every=70)
+    c.checkpoint.update(every_steps=70)
   elif variant == "proxy":
     layouts.proxy(c)  # the shapes of experiments/pretrain.py:proxy, whose AOT check sizes them
     c.data.update(source="jsonl:gs://BUCKET/sft/{split}-*.jsonl")
@@ -55,7 +64,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.train.update(steps=500, eval_every=50)
     c.checkpoint.update(every_steps=50)
   else:
-    raise ValueError(f"unknown variant {variant!r}; choose tiny, proxy or full")
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, agentic, proxy or full")
   return c
 
 
