@@ -18,6 +18,7 @@ from c2.model.router import NOT_RECORDED
 from c2.rl import publication
 from c2.rl.backends import ThreadBackend
 from c2.rl.rollout import RolloutSpec
+from c2.rl import workers
 from c2.rl.workers import WorkerDiedError
 
 UNRECORDED = np.array(NOT_RECORDED).astype(np.uint16)  # 65535: -1 as the uint16 record stores it
@@ -196,3 +197,21 @@ def test_a_dead_environment_worker_fails_only_its_rollout(backend, rl_world, mon
   assert backend.stats()["workers/env_restarts"] == restarts + 1
   # The pool is whole again: the next rollout runs.
   assert rollout_of(backend, tasks[0], group=8, index=3).sampled_tokens > 0
+
+
+@pytest.mark.slow  # a second engine compile (the speculative step)
+def test_rollouts_with_mtp_speculative_decoding_report_acceptance(rl_world):
+  """Rollouts drafted by the MTP module (rl.draft_depth) keep the rollout contract, and the
+  engine reports per-depth acceptance for TensorBoard (engine/mtp_acceptance_<d>)."""
+  spec = dataclasses.replace(rl_world.spec, draft_depth=1)
+  host = workers.EngineHost(spec, 0)
+  try:
+    task = rl_world.tasks[0]
+    rollout = workers.run_task(spec, RolloutSpec(0, 0, task.task_id, 1), task, host.generate)
+    segment = rollout.segments[0]
+    sampled = [lp for lp, m in zip(segment.sampler_logp, segment.model_mask) if m]
+    assert sampled and all(np.isfinite(lp) and lp <= 0 for lp in sampled)
+    acceptance = host.stats()["engine/mtp_acceptance_1"]
+    assert 0.0 <= acceptance <= 1.0
+  finally:
+    host.close()
