@@ -292,13 +292,7 @@ class WeightStore:
       dropped, self._records = self._records[:first_kept], self._records[first_kept:]
       if not dropped:
         return []
-      self._write_manifest()  # first: a crash must not leave records whose files are gone
-      for record in dropped:
-        try:
-          os.remove(os.path.join(self.directory, record.file))
-        except FileNotFoundError:
-          pass
-      return [r.file for r in dropped]
+      return self._forget(dropped)
 
   def truncate_after(self, version: int) -> list[str]:
     """Forgets the versions after `version` (a resumed learner restarts from its checkpoint's
@@ -313,13 +307,17 @@ class WeightStore:
       self._last_version = kept[-1].version if kept else None
       self._published_count -= len(dropped)
       self._cache = None
-      self._write_manifest()
-      for record in dropped:
-        try:
-          os.remove(os.path.join(self.directory, record.file))
-        except FileNotFoundError:
-          pass
-      return [r.file for r in dropped]
+      return self._forget(dropped)
+
+  def _forget(self, dropped: list[PublishRecord]) -> list[str]:
+    """Writes the manifest without `dropped`, then deletes their files; returns their names."""
+    self._write_manifest()  # first: a crash must not leave records whose files are gone
+    for record in dropped:
+      try:
+        os.remove(os.path.join(self.directory, record.file))
+      except FileNotFoundError:
+        pass
+    return [r.file for r in dropped]
 
   def delta_stats(self) -> dict[str, float]:
     """Delta vs snapshot size over the records on disk: the figure reported for a real run."""

@@ -211,3 +211,20 @@ def test_async_publisher_reraises_writer_errors(tmp_path, monkeypatch):
   publisher.close()
   assert publisher.latest_published == 3
   _assert_same(WeightStore(tmp_path).load(3), chain[2])
+
+
+def test_truncate_after_forgets_later_versions_and_they_can_be_published_again(tmp_path):
+  """A resumed learner restarts at its checkpoint's step: the versions published after it are
+  forgotten (files deleted) and published again, with other weights, from that base."""
+  chain = _chain(num_versions=6)
+  _publish_all(WeightStore(tmp_path, snapshot_every=4), chain)  # versions 1..6
+  store = WeightStore(tmp_path)
+  deleted = store.truncate_after(3)
+  assert store.versions() == [1, 2, 3] and len(deleted) == 3
+  assert not any(os.path.exists(os.path.join(tmp_path, name)) for name in deleted)
+  replacement = _chain(num_versions=2, seed=7)[1]
+  store.publish(4, replacement)
+  reopened = WeightStore(tmp_path)
+  _assert_same(reopened.load(3), chain[2])
+  _assert_same(reopened.load(4), replacement)
+  assert store.truncate_after(9) == []
