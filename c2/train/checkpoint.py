@@ -79,8 +79,9 @@ def restore_params_subset(directory: str, abstract_params: Any,
   into a model with MTP; the missing subtrees are returned by name so the caller keeps their
   fresh initialisation. Returns (restored params for the present top-level keys, missing keys).
   """
-  manager = ocp.CheckpointManager(directory if _is_remote(directory) else os.path.abspath(directory),
-                                  item_names=("params", "opt_state", "meta"))
+  # Orbax reads a relative path's metadata as absent: resolve it once for both reads below.
+  directory = directory if _is_remote(directory) else os.path.abspath(directory)
+  manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
   step = manager.latest_step() if step is None else step
   manager.close()
   if step is None:

@@ -111,7 +111,8 @@ def test_resume_is_exact_and_tensorboard_has_the_scalars(small_experiment, tmp_p
   assert config["model"]["hidden_size"] == exp.model.hidden_size
 
 
-def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experiment, tmp_path):
+def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experiment, tmp_path,
+                                                                  monkeypatch):
   """Composer 2 attaches MTP to a mid-run checkpoint: trunk restored, MTP freshly initialised."""
   build, seed_dir = small_experiment
   without_mtp = build(**{"model.mtp_depth": 0, "train.steps": 2, "train.eval_every": 2})
@@ -127,3 +128,6 @@ def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experimen
   np.testing.assert_array_equal(loaded.params["lm_head"], saved["lm_head"])
   assert not np.array_equal(loaded.params["lm_head"], fresh.params["lm_head"])
   np.testing.assert_array_equal(loaded.params["mtp_0"]["eh_proj"], fresh.params["mtp_0"]["eh_proj"])
+  monkeypatch.chdir(tmp_path)  # the documented pipeline passes relative paths (runs/tiny/ckpt)
+  relative, _ = ckpt_lib.restore_params_subset("base/ckpt", jax.tree.map(np.asarray, fresh.params))
+  np.testing.assert_array_equal(relative["lm_head"], saved["lm_head"])
