@@ -103,6 +103,7 @@ class RLConfig:
   engines: int = 1  # engine workers (ray backend)
   engine_slots: int = 16  # decode batch per engine
   draft_depth: int = 0  # MTP speculative decoding in rollouts
+  prefix_cache: bool = True  # engines reuse the cache of a rollout's previous turn
   tasks: str = "generated"  # generated (c2/envs/task_generator.py) | jsonl:PATH (c2/envs/tasks.py)
   task_levels: str = "1"  # generated tasks: comma-separated ladder levels
   train_tasks: int = 4000  # generated tasks of the train split (each used once)

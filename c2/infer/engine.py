@@ -16,6 +16,12 @@ batch goes on.
 Every emitted token carries its float32 log-prob under the sampling distribution and the policy
 version of the weights that produced it; every token fed to the model carries the expert ids it
 was routed to at every MoE layer (`Result.routes`, uint16), for router replay in the trainer.
+
+Prefix reuse (`prefix_cache=True`): a finished sequence leaves its cache entries in its slot; a
+later request whose prompt starts with those tokens (the next turn of a multi-turn rollout: the
+previous prompt, the completion, then the tool's output) takes that slot and prefills only the
+rest. Entries left by older weights are never reused (a weight update forgets them all), so a
+reused prefix is what a fresh prefill would compute; its routes come back from the first pass.
 """
 from __future__ import annotations
 
@@ -99,6 +105,14 @@ class _Slot:
     return self.prefilled == len(self.prompt)
 
 
+@dataclasses.dataclass
+class _Resident:
+  """What a free slot's cache still holds: entries for `tokens` (their routes [n, Y, K])."""
+  tokens: np.ndarray  # int32 [n]
+  routes: np.ndarray  # uint16 [n, Y, K]
+  finished_at: int  # engine step, for least-recently-used eviction
+
+
 _GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -110,7 +124,7 @@ class Engine:
                prefill_chunk: int = 128, prefill_rows: int = 1, draft_depth: int = 0,
                cache_dtype=None, mesh: Optional[jax.sharding.Mesh] = None,
                detokenize: Optional[Callable[[list[int]], str]] = None, version: int = 0,
-               scan_layers: bool = False):
+               scan_layers: bool = False, prefix_cache: bool = False):
     if draft_depth and not cfg.mtp_depth:
       raise ValueError("draft_depth > 0 needs MTP modules (ModelConfig.mtp_depth >= 1)")
     # Unrolled layers by default (one module and one cache array per layer), measured better on
@@ -135,6 +149,9 @@ class Engine:
     self._ids = itertools.count()
     self.stats = collections.Counter()
     self._sampling_memo: dict = {}  # the rows' slots -> their sampling arrays
+    self.prefix_cache = prefix_cache
+    self._resident: list[Optional[_Resident]] = [None] * slots
+    self._steps = 0
 
   # ---------------------------------------------------------------------------------- public API
   def submit(self, request: Request) -> str:
@@ -174,6 +191,7 @@ class Engine:
   def step(self) -> list[TokenEvent]:
     """One scheduling iteration; returns the events it produced."""
     self._take_new_weights()
+    self._steps += 1
     events = self._admit()
     with self._context():
       events += self._prefill_step()
@@ -198,6 +216,7 @@ class Engine:
     if update is not None:
       self.params, self.version = self._place(update[0]), int(update[1])
       self.stats["weight_updates"] += 1
+      self._resident = [None] * self.slots  # entries of the old weights: never reused
 
   def _reject(self, request: Request, request_id: str, message: str) -> TokenEvent:
     result = Result(request_id, list(request.prompt), [], [], [], self._no_routes(), "error",
@@ -223,8 +242,42 @@ class Engine:
             f"prompt token ids must be in [0, {self.cfg.vocab_size}); got {min(prompt)}.."
             f"{max(prompt)}")))
       else:
-        self._active[self._active.index(None)] = _Slot(request, request_id)
+        index, reused = self._choose_slot(prompt)
+        slot = _Slot(request, request_id)
+        if reused:
+          slot.prefilled = slot.cached = reused
+          slot.routes.append(self._resident[index].routes[:reused])
+        self._resident[index] = None
+        self._active[index] = slot
+        self.stats["prompt_tokens"] += len(prompt)
+        self.stats["prefix_reused_tokens"] += reused
     return events
+
+  def _choose_slot(self, prompt: list[int]) -> tuple[int, int]:
+    """(free slot, prompt tokens whose cache entries it already holds): the longest reusable
+    prefix, else the slot holding nothing or the least recently used."""
+    free = [i for i, s in enumerate(self._active) if s is None]
+    best, best_reused = None, 0
+    if self.prefix_cache:
+      ids = np.asarray(prompt, np.int32)
+      for i in free:
+        resident = self._resident[i]
+        if resident is None:
+          continue
+        n = min(len(resident.tokens), len(ids))
+        differ = np.flatnonzero(resident.tokens[:n] != ids[:n])
+        common = int(differ[0]) if len(differ) else n
+        # The drafter's entry at position t was made with token t + 1, and lags the trunk by up
+        # to draft_depth + 1 positions; at least one prompt token is fed to get the first logits.
+        usable = common - 1 if self.draft_depth else common
+        usable = min(usable, len(resident.tokens) - (self.draft_depth + 1 if self.draft_depth
+                                                     else 0), len(prompt) - 1)
+        if usable > best_reused:
+          best, best_reused = i, usable
+    if best is None:
+      best = min(free, key=lambda i: -1 if self._resident[i] is None
+                 else self._resident[i].finished_at)
+    return best, best_reused
 
   def _sampling(self, slots: Sequence[Optional[_Slot]]) -> dict:
     """Per-row sampling arrays, on the device; rebuilt only when the rows' requests change.
@@ -345,5 +398,8 @@ class Engine:
     self._active[index] = None
     routes = np.concatenate(slot.routes) if slot.routes else self._no_routes()
     fed = len(slot.prompt) + len(slot.tokens) - 1
+    if self.prefix_cache:  # entries of every fed token (later ones: drafts past a stop, unused)
+      self._resident[index] = _Resident(np.asarray(slot.prompt + slot.tokens[:-1], np.int32),
+                                        routes[:fed], self._steps)
     return Result(slot.id, slot.prompt, slot.tokens, slot.logprobs, slot.versions, routes[:fed],
                   reason, stop)

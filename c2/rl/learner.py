@@ -86,7 +86,8 @@ def worker_spec(exp: ExperimentConfig, workdir: str, tokenizer_path: str) -> Wor
   return WorkerSpec(model=model, store_dir=os.path.join(workdir, "weights"),
                     tokenizer_path=tokenizer_path, env=env, sampling=sampling,
                     max_context=rl.max_context or exp.data.seq_len,
-                    engine_slots=rl.engine_slots, draft_depth=rl.draft_depth)
+                    engine_slots=rl.engine_slots, draft_depth=rl.draft_depth,
+                    prefix_cache=rl.prefix_cache)
 
 
 def _tokenizer_path(exp: ExperimentConfig, workdir: str) -> str:

@@ -286,7 +286,7 @@ class RayBackend(Backend):
         out[name] = sum(values)
       elif name == "engine/version":
         out[name] = min(values)
-      else:  # acceptance rates: the mean over engines
+      else:  # rates (MTP acceptance, prefix reuse): the mean over engines
         out[name] = sum(values) / len(values)
     out.update({"workers/engine_restarts": self.restarts["engine"],
                 "workers/env_restarts": self.restarts["env"],

@@ -45,6 +45,7 @@ class WorkerSpec:
   engine_slots: int = 16
   prefill_chunk: int = 256
   draft_depth: int = 0  # MTP speculative decoding in rollouts (0: plain decoding)
+  prefix_cache: bool = True  # a turn prefills only what the previous turn's slot lacks
 
 
 def load_worker_tokenizer(spec: WorkerSpec) -> Tokenizer:
@@ -62,7 +63,7 @@ class EngineHost:
     params = self.store.load(version)
     self.engine = Engine(spec.model, params, slots=spec.engine_slots, capacity=spec.max_context,
                          prefill_chunk=spec.prefill_chunk, draft_depth=spec.draft_depth,
-                         version=version)
+                         version=version, prefix_cache=spec.prefix_cache)
     self.worker = EngineWorker(self.engine)
     self.dead = threading.Event()
     self._loading = threading.Lock()
@@ -107,7 +108,9 @@ class EngineHost:
   def stats(self) -> dict:
     s = self.engine.stats
     elapsed = max(time.perf_counter() - self.started, 1e-9)
-    out = {"engine/tokens_per_sec": s["tokens"] / elapsed, "engine/version": self.version}
+    out = {"engine/tokens_per_sec": s["tokens"] / elapsed, "engine/version": self.version,
+           # prompt tokens whose cache entries a previous turn left (not prefilled again)
+           "engine/prefix_reuse": s["prefix_reused_tokens"] / max(s["prompt_tokens"], 1)}
     for depth in range(1, self.spec.draft_depth + 1):  # per-depth acceptance of the MTP drafts
       out[f"engine/mtp_acceptance_{depth}"] = (s[f"accepted_depth_{depth}"] /
                                                max(s["decode_rows"], 1))

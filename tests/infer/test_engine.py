@@ -119,6 +119,34 @@ def test_weight_swap_mid_generation(small_cfg, params, prompts):
   assert after != full_forward_greedy(cfg, params, prompt, 10)[swap_after:]  # the swap mattered
 
 
+@pytest.mark.parametrize("draft_depth", [0, 1])
+def test_prefix_reuse_equals_a_fresh_prefill(small_cfg, params, prompts, draft_depth):
+  """A multi-turn rollout's next prompt extends the last one: the slot that served it prefills
+  only the new tokens, with the tokens, log-probs and routes of a fresh prefill."""
+  engine = Engine(small_cfg, params, slots=2, capacity=64, prefill_chunk=8,
+                  draft_depth=draft_depth, prefix_cache=True)
+  greedy = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0)
+  first = engine.generate([Request(prompts[1], greedy(6))])[0]
+  engine.generate([Request(prompts[3], greedy(3))])  # unrelated: takes the other, empty slot
+  turn = prompts[1] + first.token_ids + prompts[0]  # completion, then a tool's output
+  before = engine.stats["prefix_reused_tokens"]
+  second = engine.generate([Request(turn, greedy(8))])[0]
+  cached = len(prompts[1]) + 6 - 1  # the last sampled token was never fed
+  expected = cached - draft_depth - 1 if draft_depth else cached
+  assert engine.stats["prefix_reused_tokens"] - before == expected
+
+  fresh = Engine(small_cfg, params, slots=2, capacity=64, prefill_chunk=8,
+                 draft_depth=draft_depth).generate([Request(turn, greedy(8))])[0]
+  assert second.token_ids == fresh.token_ids
+  np.testing.assert_allclose(second.logprobs, fresh.logprobs, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(np.sort(second.routes, -1), np.sort(fresh.routes, -1))
+
+  engine.update_weights(params, version=1)  # entries of older weights are forgotten
+  before = engine.stats["prefix_reused_tokens"]
+  engine.generate([Request(turn + second.token_ids, greedy(2))])
+  assert engine.stats["prefix_reused_tokens"] == before
+
+
 @pytest.mark.slow  # ~80 s on 2 cores: three more engine compilations over the 8-device mesh
 def test_sharded_engine_equals_single_device(small_cfg, params, prompts):
   requests = [Request(p, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3 + i))
