@@ -14,9 +14,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # process lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# One persistent compilation cache per test session (shared by the xdist workers of one run):
+# tests that build the same program again (a run, then its resume; one small experiment in
+# several tests) load it instead of compiling it again. Fresh per session, so never stale.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_CACHE_DIR = (os.path.join(tempfile.gettempdir(), f"c2-test-jax-cache-{_RUN}") if _RUN
+              else tempfile.mkdtemp(prefix="c2-test-jax-cache-"))
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import pytest  # noqa: E402
 
