@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import time
 from typing import Callable, Optional
 
@@ -65,6 +66,34 @@ class Learner:
   heldout: list
   writer: MetricWriter
   leftover: list = dataclasses.field(default_factory=list)
+
+
+# Sequences of trained groups that did not fit the last batch wait in `Learner.leftover`; the
+# coordinator already counts their groups trained, so they are saved with each checkpoint (one
+# file per checkpointed step, written before it) and a resume trains them: no group is half lost.
+def save_leftover(directory: str, step: int, sequences: list) -> None:
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"leftover-{step:09d}.pkl")
+  with open(f"{path}.tmp", "wb") as f:
+    pickle.dump(sequences, f)
+  os.replace(f"{path}.tmp", path)
+
+
+def load_leftover(directory: str, step: int) -> list:
+  """The sequences saved with the checkpoint of `step` ([] when it had none)."""
+  path = os.path.join(directory, f"leftover-{step:09d}.pkl")
+  if not os.path.exists(path):
+    return []
+  with open(path, "rb") as f:
+    return pickle.load(f)
+
+
+def prune_leftover(directory: str, keep_steps) -> None:
+  """Deletes the files of steps no retained checkpoint has."""
+  keep = {f"leftover-{s:09d}.pkl" for s in keep_steps}
+  for name in os.listdir(directory) if os.path.isdir(directory) else []:
+    if name.startswith("leftover-") and name not in keep:
+      os.remove(os.path.join(directory, name))
 
 
 def load_tasks(exp: ExperimentConfig, split: str, count: int) -> list:
@@ -148,9 +177,10 @@ def prepare(exp: ExperimentConfig, workdir: str) -> Learner:
   writer = MetricWriter(os.path.join(workdir, "tb"), enabled=jax.process_index() == 0)
   if not resumed:
     writer.write_config(dataclasses.asdict(exp), {"rl/group_size": rl.group_size})
+  leftover = load_leftover(os.path.join(workdir, "rl"), step) if resumed else []
   return Learner(exp, workdir, program, state, reference, store,
                  publication.AsyncPublisher(store), backend, coordinator, checkpointer, heldout,
-                 writer)
+                 writer, leftover)
 
 
 # ------------------------------------------------------------------------------------- steps
@@ -277,10 +307,14 @@ def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None,
 
 
 def save(learner: Learner) -> None:
-  """Learner state + coordinator state in one checkpoint; then the trained groups' files go."""
+  """Learner state + coordinator state in one checkpoint (leftover sequences beside it); then the
+  trained groups' files go."""
+  rl_dir = os.path.join(learner.workdir, "rl")
+  save_leftover(rl_dir, int(jax.device_get(learner.state.step)), learner.leftover)
   learner.checkpointer.save(learner.state, data_state=learner.coordinator.state_dict(),
                             force=True)
   learner.checkpointer.wait()
+  prune_leftover(rl_dir, learner.checkpointer.all_steps())
   learner.coordinator.forget_trained()
 
 
