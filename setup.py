@@ -21,6 +21,8 @@ CORE = [
 
 # The RL system's Ray backend (c2/rl/ray_backend.py); the tests run it, so `test` has it too.
 RAY = "ray==2.60.0"
+# Evaluation figures (c2/evals/plots.py); the tests draw them, so `test` has it too.
+MATPLOTLIB = "matplotlib==3.11.2"
 
 setup(
     name="c2",
@@ -31,9 +33,11 @@ setup(
                                     "experiments"]),
     install_requires=CORE,
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "openai==3.60.0", RAY],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "openai==3.60.0", RAY, MATPLOTLIB],
         # Engines and environment workers as Ray actors (rl.backend = "ray").
         "rl": [RAY],
+        # `python -m c2.eval` figures (PNG/SVG) and train.eval_suites.
+        "evals": [MATPLOTLIB],
         # Test-time numerics references and Hugging Face checkpoint import/export.
         "hf": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
         # libtpu for TPU runs and for AOT compilation to TPU topologies from a CPU host.

@@ -85,6 +85,10 @@ class TrainConfig:
   bias_update_rate: float = 1e-3  # aux-loss-free bias speed gamma (0 freezes the bias)
   init_from: Optional[str] = None  # checkpoint dir to load params from (missing MTP: fresh)
   nan_check: bool = True
+  # c2/evals suites run on the step's params, comma-separated names or groups ("base", "all",
+  # "codebase,long_context"); "" runs none. Scalars eval/<suite>/..., figures in workdir/evals.
+  eval_suites: str = ""
+  eval_suites_every: int = 0  # steps between suite runs (and at the end); 0: train.eval_every
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +337,14 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   for name in ("log_every", "eval_every", "eval_batches", "steps", "ce_chunk_size"):
     if getattr(train, name) <= 0:
       raise ConfigError(f"config.train.{name} must be positive")
+  if train.eval_suites_every < 0:
+    raise ConfigError("config.train.eval_suites_every must be >= 0 (0: every train.eval_every)")
+  if train.eval_suites:
+    from c2.evals import suites  # pylint: disable=import-outside-toplevel
+    try:
+      suites.parse_suites(train.eval_suites)
+    except ValueError as e:
+      raise ConfigError(f"config.train.eval_suites={train.eval_suites!r}: {e}") from None
   if exp.checkpoint.every_steps <= 0 or exp.checkpoint.keep <= 0:
     raise ConfigError("config.checkpoint.every_steps and keep must be positive")
   if exp.phase == "rl":

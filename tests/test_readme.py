@@ -7,6 +7,7 @@ import re
 import shlex
 
 import c2.aot
+import c2.eval
 import c2.main
 import c2.serve
 from c2.perf import aot_decode
@@ -31,7 +32,7 @@ def test_every_module_the_readme_runs_exists():
 
 def test_readme_train_and_aot_commands_parse(monkeypatch):
   monkeypatch.chdir(REPO_ROOT)
-  parsed = {"c2.main": [], "c2.aot": [], "decode": [], "c2.serve": []}
+  parsed = {"c2.main": [], "c2.aot": [], "decode": [], "c2.serve": [], "c2.eval": []}
   for module, args in _python_m_lines():
     if module == "c2.main":
       parsed[module].append(c2.main.parse([module, *args])[0])
@@ -43,6 +44,8 @@ def test_readme_train_and_aot_commands_parse(monkeypatch):
       parsed[module].append(c2.aot.parse([module, *args]))
     elif module == "c2.serve":
       parsed[module].append(c2.serve.parse_args(args))
+    elif module == "c2.eval":
+      parsed[module].append(c2.eval.parse_args(args))
   assert [e.name for e in parsed["c2.main"]] == ["pretrain-tiny", "rl-tiny"]
   rl = parsed["c2.main"][1]
   assert rl.phase == "rl" and rl.train.init_from == "runs/sft-agentic/ckpt"
@@ -53,3 +56,8 @@ def test_readme_train_and_aot_commands_parse(monkeypatch):
   assert os.path.isfile(REPO_ROOT / "tests/perf/test_aot.py")
   assert {a.preset for a in parsed["decode"]} == {"kimi-k2.5"}
   assert [os.path.normpath(a.checkpoint) for a in parsed["c2.serve"]] == ["runs/tiny"]
+  assert len(parsed["c2.eval"]) == 3
+  for args in parsed["c2.eval"]:  # suite names and the environment's experiment resolve
+    c2.eval.suites.parse_suites(args.suite)
+    if args.env_experiment:
+      assert c2.eval.cli.load_experiment(args.env_experiment).env is not None

@@ -18,9 +18,10 @@ Mapping (HF Linear weights are [O, I]; ours are [I..., O...], so transpose then 
 The MTP layer's embed_tokens / shared_head.head duplicate the shared ones: skipped on import,
 written on export. Block leaves are listed in `_BLOCK` and `_EXPERTS` below.
 
-Memory: each of our leaves is allocated once and filled tensor by tensor (dequantised per source
-tensor), so beyond the output the importer holds one source tensor at a time; the exporter holds
-at most one output shard.
+Memory: the single-host importer allocates each leaf once and fills it tensor by tensor, so
+beyond the output it holds one source tensor; c2.hf.sharded imports into sharded jax.Arrays
+without ever holding the model on one host. The exporter takes numpy or sharded jax.Arrays and
+holds one layer (one expert for routed experts) of one leaf plus one output tensor at a time.
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ import numpy as np
 
 from c2.hf import config as hf_config
 from c2 import model as model_lib
-from c2.hf.tensors import CheckpointError, ShardedWriter, TensorStore
+from c2.hf.progress import progress_bar
+from c2.hf.gather import host_slice
+from c2.hf.tensors import (INT4_QUANTIZATION_CONFIG, CheckpointError, ShardedWriter,
+                              TensorStore, quantize_int4)
 from c2.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -183,17 +187,13 @@ def _stored_compute_dtype(store: TensorStore, root: str) -> str:
   return "float32" if stored == "F32" else "bfloat16"
 
 
-def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | None = None,
-                      progress: bool = False, **config_overrides) -> tuple[ModelConfig, Params]:
-  """Reads an HF checkpoint directory -> (ModelConfig, params as a nested dict of numpy arrays).
-
-  dtype: float32 or bfloat16 for every leaf except the router's correction bias (float32).
-  compute_dtype: the returned config's `dtype` (activations and matmuls); None computes in the
-  checkpoint's dtype, so a float32 checkpoint reproduces its reference logits as imported.
-  MTP layers listed in config.json but absent from the weights (transformers never saves them)
-  are dropped from the config with a warning.
-  """
+def open_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | None = None,
+                    **config_overrides) -> tuple[ModelConfig, TensorStore, str]:
+  """config.json + the tensor index of `hf_dir` -> (ModelConfig, TensorStore, name prefix), reading
+  no weights. The config's param_dtype follows `dtype`, its compute dtype `compute_dtype` (None:
+  the checkpoint's); MTP layers without weights are dropped (see import_checkpoint)."""
   config_path = os.path.join(hf_dir, "config.json")
+  store = TensorStore(hf_dir)  # first: refuses a half-written export before anything else
   if not os.path.exists(config_path):
     raise CheckpointError(f"{hf_dir}: config.json not found")
   with open(config_path) as f:
@@ -201,7 +201,6 @@ def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | Non
   dtype = np.dtype(dtype)
   if dtype not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
     raise ValueError(f"import dtype must be float32 or bfloat16, got {dtype}")
-  store = TensorStore(hf_dir)
   _configure_quantization(store, raw, config_path)
   root = "language_model." if "language_model.model.embed_tokens.weight" in store else ""
   config_overrides.setdefault("param_dtype", "float32" if dtype == np.float32 else "bfloat16")
@@ -218,15 +217,41 @@ def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | Non
     log.warning("%s: num_nextn_predict_layers=%d but only %d MTP layer(s) have weights; "
                 "importing with mtp_depth=%d", config_path, cfg.mtp_depth, present, present)
     cfg = cfg.replace(mtp_depth=present)
+  check_all_mapped(store, root, cfg, hf_dir)
+  return cfg, store, root
 
-  leaves = list(_leaves(model_lib.abstract_params(cfg)))
-  total = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
-  bar = _progress(progress, total, "import")
-  params: dict = {}
-  for path, leaf in leaves:
+
+def leaf_plans(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], Any, list[str], Any, bool]]:
+  """(our path, ShapeDtypeStruct, HF prefixes per stacked slice, HF spec, stacked?) per leaf."""
+  for path, leaf in _leaves(model_lib.abstract_params(cfg)):
     prefixes, key, stacked = _layer_plan(cfg, path)
-    spec = _spec(path, key)
-    leaf_dtype = np.float32 if key == ("moe", "correction_bias") else dtype
+    yield path, leaf, prefixes, _spec(path, key), stacked
+
+
+def import_dtype(path: tuple[str, ...], dtype) -> np.dtype:
+  """The imported dtype of our leaf `path`: the router's correction bias stays float32."""
+  return np.dtype(np.float32 if path[-1] == "correction_bias" else dtype)
+
+
+def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | None = None,
+                      progress: bool = False, **config_overrides) -> tuple[ModelConfig, Params]:
+  """Reads an HF checkpoint directory -> (ModelConfig, params as a nested dict of numpy arrays).
+
+  dtype: float32 or bfloat16 for every leaf except the router's correction bias (float32).
+  compute_dtype: the returned config's `dtype` (activations and matmuls); None computes in the
+  checkpoint's dtype, so a float32 checkpoint reproduces its reference logits as imported.
+  MTP layers listed in config.json but absent from the weights (transformers never saves them)
+  are dropped from the config with a warning. The whole model lands on this host: for a model
+  larger than one host, c2.hf.sharded.import_sharded reads only each process's shards.
+  """
+  cfg, store, root = open_checkpoint(hf_dir, dtype=dtype, compute_dtype=compute_dtype,
+                                     **config_overrides)
+  plans = list(leaf_plans(cfg))
+  bar = progress_bar(progress, sum(l.size * import_dtype(p, dtype).itemsize
+                                   for p, l, *_ in plans), "import")
+  params: dict = {}
+  for path, leaf, prefixes, spec, stacked in plans:
+    leaf_dtype = import_dtype(path, dtype)
     out = np.empty(leaf.shape, leaf_dtype)
     for k, prefix in enumerate(prefixes):
       dst = out[k] if stacked else out
@@ -236,20 +261,42 @@ def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | Non
         tmp = np.empty(dst.shape, np.float32)
         _read_slice(store, root + prefix, spec, tmp)
         dst[...] = tmp
-      bar.update(dst.size)
+      bar.update(dst.nbytes)
     node = params
     for name in path[:-1]:
       node = node.setdefault(name, {})
     node[path[-1]] = out
   bar.close()
+  return cfg, params
 
-  skip = (root + "lm_head.weight",) if cfg.tie_word_embeddings else ()
-  leftover = [n for n in store.names() if n not in store.used and not _skippable(n, root, cfg)
-              and n not in skip]
+
+def _mapped_names(store: TensorStore, root: str, cfg: ModelConfig) -> set[str]:
+  """Every stored tensor name the mapping reads (without reading any)."""
+  names = set()
+  for _, _, prefixes, (name, kind), _ in leaf_plans(cfg):
+    for prefix in prefixes:
+      if kind == "experts":
+        experts = root + prefix + "mlp.experts."
+        modules = [f"{experts}{e}.{name}" for e in range(cfg.num_routed_experts)]
+        names.update((experts + "down_proj", experts + "gate_up_proj"))
+      else:
+        modules = [root + prefix + name]
+      for module in modules:
+        names.update({module} if kind is None else {
+            module + s for s in (".weight", ".weight_scale_inv", ".weight_packed",
+                                 ".weight_scale", ".weight_shape")})
+  return names
+
+
+def check_all_mapped(store: TensorStore, root: str, cfg: ModelConfig, hf_dir: str) -> None:
+  """Every tensor of the checkpoint must feed a parameter: extra tensors mean the config does not
+  describe these weights (a wrong config.json), and would otherwise be dropped silently."""
+  skip = {root + "lm_head.weight"} if cfg.tie_word_embeddings else set()
+  mapped = _mapped_names(store, root, cfg) | skip
+  leftover = [n for n in store.names() if n not in mapped and not _skippable(n, root, cfg)]
   if leftover:
     raise CheckpointError(f"{hf_dir}: {len(leftover)} tensor(s) were not mapped to any parameter, "
                           f"e.g. {sorted(leftover)[:8]}; the config does not describe these weights")
-  return cfg, params
 
 
 def _skippable(name: str, root: str, cfg: ModelConfig) -> bool:
@@ -265,13 +312,21 @@ def _skippable(name: str, root: str, cfg: ModelConfig) -> bool:
 
 
 def export_checkpoint(cfg: ModelConfig, params: Params, out_dir: str, *, dtype: str = "bfloat16",
-                      max_shard_bytes: int = 5 << 30, progress: bool = False) -> None:
+                      max_shard_bytes: int = 5 << 30, progress: bool = False,
+                      quantize_experts: bool = False) -> None:
   """Writes params as an HF DeepseekV3ForCausalLM checkpoint: config.json, sharded safetensors
   (model-0000k-of-0000n.safetensors) and model.safetensors.index.json.
 
+  params: numpy arrays or jax.Arrays sharded over any mesh, also across processes (every process
+  calls this; process 0 writes). One layer of a leaf, or one expert of it, is on the host at a
+  time, and shards are written as they fill, so host memory stays at one output tensor.
   dtype: "bfloat16" or "float32" for every tensor except the router weight and correction bias,
-  which stay float32 as transformers keeps them. MTP layers get their own copies of the
-  embedding and output head, as DeepSeek-V3 checkpoints have them.
+  which stay float32 as transformers keeps them. quantize_experts: the routed experts as Kimi-K2.5
+  stores them (compressed-tensors INT4, symmetric, group 32, `quantization_config` in
+  config.json), so the result loads where the release does. MTP layers get their own copies of
+  the embedding and output head, as DeepSeek-V3 checkpoints have them.
+  The directory appears complete or not at all: everything is written to `out_dir.tmp-<pid>` and
+  renamed into place at the end.
   """
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}.get(dtype)
   if np_dtype is None:
@@ -285,40 +340,68 @@ def export_checkpoint(cfg: ModelConfig, params: Params, out_dir: str, *, dtype: 
     if tuple(leaf.shape) != tuple(expected[path].shape):
       raise ValueError(f"param {'/'.join(path)} has shape {leaf.shape}, config expects "
                        f"{expected[path].shape}")
-
-  writer = ShardedWriter(out_dir, max_shard_bytes)
-  bar = _progress(progress, sum(int(np.prod(l.shape)) for l in got.values()), "export")
+  out_dir = os.path.abspath(out_dir)
+  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    raise FileExistsError(f"{out_dir} exists and is not empty; export into a new directory")
+  writing = jax.process_index() == 0
+  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
+  writer = ShardedWriter(tmp_dir, max_shard_bytes) if writing else None
+  bar = progress_bar(progress and writing, sum(l.size * np.dtype(np_dtype).itemsize
+                                               for l in got.values()), "export")
   for path, leaf in got.items():
     prefixes, key, stacked = _layer_plan(cfg, path)
-    spec = _spec(path, key)
+    name, kind = _spec(path, key)
     leaf_dtype = np.float32 if key in _FLOAT32_ALWAYS else np_dtype
-    for k, prefix in enumerate(prefixes):
-      src = np.asarray(leaf[k] if stacked else leaf).astype(leaf_dtype)  # one layer on the host
-      for name, tensor in _hf_tensors(prefix, spec, src):
-        writer.add(name, tensor)
-      bar.update(src.size)
+    per_expert = kind == "experts"
+    units = [(k,) if stacked else () for k in range(len(prefixes))]
+    if per_expert:
+      units = [u + (e,) for u in units for e in range(cfg.num_routed_experts)]
+    for unit in units:
+      src = host_slice(leaf, unit)  # every process takes part in the gather
+      if not writing:
+        continue
+      prefix = prefixes[unit[0] if stacked else 0]
+      if per_expert:  # [D, F] / [F, D] -> HF [O, I]
+        module = f"{prefix}mlp.experts.{unit[-1]}.{name}"
+        for hf_name, tensor in _expert_tensors(module, src.T, quantize_experts, leaf_dtype):
+          writer.add(hf_name, tensor)
+      else:
+        for hf_name, tensor in _hf_tensors(prefix, (name, kind), src.astype(leaf_dtype)):
+          writer.add(hf_name, tensor)
+      bar.update(src.size * np.dtype(np_dtype).itemsize)
+      del src
   if cfg.mtp_depth:
-    embed = np.asarray(params["embed"]["embedding"]).astype(np_dtype)  # [V, D]
-    head = np.asarray(model_lib.head_kernel(cfg, params)).T.astype(np_dtype)  # [V, D]
+    embed = host_slice(params["embed"]["embedding"], ())
+    head = embed if cfg.tie_word_embeddings else host_slice(params["lm_head"], ()).T
     for j in range(cfg.mtp_depth):
-      writer.add(f"model.layers.{cfg.num_layers + j}.embed_tokens.weight", embed)
-      writer.add(f"model.layers.{cfg.num_layers + j}.shared_head.head.weight", head)
-  writer.close()
-  bar.close()
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config.to_hf_dict(cfg, torch_dtype=dtype), f, indent=2, sort_keys=True)
+      if writing:
+        writer.add(f"model.layers.{cfg.num_layers + j}.embed_tokens.weight", embed.astype(np_dtype))
+        writer.add(f"model.layers.{cfg.num_layers + j}.shared_head.head.weight",
+                   head.astype(np_dtype))
+  if writing:
+    writer.close()
+    bar.close()
+    config = hf_config.to_hf_dict(cfg, torch_dtype=dtype)
+    if quantize_experts:
+      config["quantization_config"] = INT4_QUANTIZATION_CONFIG
+    with open(os.path.join(tmp_dir, "config.json"), "w") as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+    if os.path.isdir(out_dir):
+      os.rmdir(out_dir)  # empty (checked above)
+    os.replace(tmp_dir, out_dir)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(f"c2.hf.export {out_dir}")
 
 
-def _progress(enabled: bool, total: int, desc: str):
-  if enabled:
-    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-    return tqdm(total=total, desc=desc, unit="param", unit_scale=True)
-  return _NoBar()
+def _expert_tensors(module: str, w: np.ndarray, quantize: bool, dtype
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+  """One expert's [O, I] weight as stored: plain `.weight`, or INT4 packed + scale + shape."""
+  if not quantize:
+    yield f"{module}.weight", w.astype(dtype)
+    return
+  packed, scale = quantize_int4(np.asarray(w, np.float32), 32)
+  yield f"{module}.weight_packed", packed
+  yield f"{module}.weight_scale", scale
+  yield f"{module}.weight_shape", np.array(w.shape, np.int32)
 
-
-class _NoBar:
-  def update(self, n: int) -> None:
-    del n
-
-  def close(self) -> None:
-    pass

@@ -96,3 +96,18 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, with_mtp: bool = True)
   if not with_mtp:
     attention = attention * cfg.num_layers / (cfg.num_layers + cfg.mtp_depth)
   return 6.0 * matmul_params + 3.0 * attention
+
+
+def forward_flops(cfg: ModelConfig, start: int, end: int) -> float:
+  """Inference FLOPs of the main model for the tokens at positions [start, end) of one sequence,
+  the first `start` already cached: 2 x matmul params per token (the head included, the embedding
+  lookup and the MTP modules not) plus the score and value matmuls over the p + 1 keys that the
+  token at position p attends to. Prefill of a prompt is (0, prompt); each decoded token is
+  (p, p + 1); an agentic turn that re-sends its whole context is (0, context) + its decode."""
+  if not 0 <= start <= end:
+    raise ValueError(f"need 0 <= start <= end, got {start}, {end}")
+  counts = param_counts(cfg)
+  matmul_params = counts.active - counts.embedding - counts.mtp_active
+  keys = (end * (end + 1) - start * (start + 1)) / 2  # sum over p in [start, end) of p + 1
+  attention = 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cfg.num_layers * keys
+  return 2.0 * matmul_params * (end - start) + attention

@@ -18,6 +18,7 @@ over ready / in flight).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -32,6 +33,7 @@ from c2.data import loader
 from c2.envs import config as env_config_lib
 from c2.envs import task_generator
 from c2.envs.tasks import read_jsonl
+from c2.evals import passk
 from c2.infer.sampling import SamplingParams
 from c2.rl import metrics as rl_metrics
 from c2.rl import publication
@@ -207,7 +209,15 @@ def evaluate(learner: Learner, version: int, timeout: float = 3600.0) -> dict:
       results.append((task_id, rollout.passed))
     except Exception:  # pylint: disable=broad-except
       results.append((task_id, False))  # an eval rollout that dies counts as a failure
-  return {f"eval/{k}": v for k, v in rl_metrics.pass_rate(results).items()}
+  out = {f"eval/{k}": v for k, v in rl_metrics.pass_rate(results).items()}
+  # Best-of-K beside the mean (report section 4.10): unbiased pass@k over the task's samples.
+  passed = collections.defaultdict(list)
+  for task_id, ok in results:
+    passed[task_id].append(ok)
+  samples = learner.exp.rl.eval_samples
+  out.update({f"eval/pass_at_{k}": v for k, v in passk.pass_at_k_over_tasks(
+      [(len(v), sum(v)) for v in passed.values()], range(1, samples + 1)).items()})
+  return out
 
 
 def _check_staleness(groups, step: int, bound: int) -> None:

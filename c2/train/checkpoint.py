@@ -78,17 +78,25 @@ def restore_params_subset(directory: str, abstract_params: Any,
   Used by `train.init_from`: e.g. a mid-run pretraining checkpoint without MTP modules, restored
   into a model with MTP; the missing subtrees are returned by name so the caller keeps their
   fresh initialisation. Returns (restored params for the present top-level keys, missing keys).
+  Also accepted: `hf:PATH` or a Hugging Face directory (config.json + safetensors), imported
+  straight into the target shardings by c2.hf.sharded (each process reads only its shards), and
+  the output of `python -m c2.hf.convert import` (params/ + model_config.json).
   """
+  if directory.startswith(HF_PREFIX) or _is_hf_dir(directory):
+    return _import_hf(directory.removeprefix(HF_PREFIX), abstract_params)
   # Orbax reads a relative path's metadata as absent: resolve it once for both reads below.
   directory = directory if _is_remote(directory) else os.path.abspath(directory)
-  manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
-  step = manager.latest_step() if step is None else step
-  manager.close()
-  if step is None:
-    raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+  if not _is_remote(directory) and os.path.exists(os.path.join(directory, "model_config.json")):
+    params_dir, step = os.path.join(directory, "params"), 0  # c2.hf.convert output
+  else:
+    manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
+    step = manager.latest_step() if step is None else step
+    manager.close()
+    if step is None:
+      raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+    params_dir = os.path.join(directory, str(step), "params")
   # The params item on its own, read with a plain PyTree checkpointer: its metadata names the
   # saved top-level modules, and a partial restore reads only those.
-  params_dir = os.path.join(directory, str(step), "params")
   checkpointer = ocp.PyTreeCheckpointer()
   saved = checkpointer.metadata(params_dir).item_metadata.tree
   present = {k: v for k, v in abstract_params.items() if k in saved}
@@ -99,3 +107,37 @@ def restore_params_subset(directory: str, abstract_params: Any,
   logging.info("init_from %s step %d: restored %s; fresh: %s", directory, step,
                sorted(present), missing)
   return dict(restored), missing
+
+
+HF_PREFIX = "hf:"
+
+
+def _is_hf_dir(directory: str) -> bool:
+  return not _is_remote(directory) and os.path.exists(os.path.join(directory, "config.json")) \
+      and any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+              for n in os.listdir(directory))
+
+
+def _import_hf(hf_dir: str, abstract_params: Any) -> tuple[dict, list[str]]:
+  """An HF checkpoint imported into `abstract_params`' shardings; its MTP layers beyond the
+  model's depth are ignored, the model's beyond the checkpoint's returned as missing."""
+  from c2.hf.sharded import import_sharded  # pylint: disable=import-outside-toplevel
+  flat = {tuple(k.key for k in p): a for p, a in
+          jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+  dtype = abstract_params["embed"]["embedding"].dtype
+  mesh = abstract_params["embed"]["embedding"].sharding.mesh
+  shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+  cfg, params = import_sharded(hf_dir, mesh, dtype=dtype, progress=jax.process_index() == 0,
+                               shardings=shardings, workers=min(8, os.cpu_count() or 1))
+  imported = {tuple(k.key for k in p): a for p, a in jax.tree_util.tree_flatten_with_path(
+      params)[0] if p[0].key in abstract_params}
+  for path, array in imported.items():
+    want = flat.get(path)
+    if want is None or want.shape != array.shape:
+      raise ValueError(f"init_from hf:{hf_dir}: parameter {'/'.join(path)} is "
+                       f"{array.shape} in the checkpoint (config {cfg}) but "
+                       f"{None if want is None else want.shape} in the model config")
+  present = {k: v for k, v in params.items() if k in abstract_params}
+  missing = sorted(set(abstract_params) - set(present))
+  logging.info("init_from hf:%s: imported %s; fresh: %s", hf_dir, sorted(present), missing)
+  return present, missing

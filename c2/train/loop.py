@@ -181,6 +181,23 @@ def evaluate(run: Run, params) -> dict:
   return {f"eval/{k}": v / max(weight, 1.0) for k, v in sums.items()}
 
 
+def run_eval_suites(run: Run, writer: MetricWriter, step: int) -> dict:
+  """The c2/evals suites of `train.eval_suites` on this step's params (process 0; the probes are
+  a single-host program). Scalars go to the writer at `step`, figures to workdir/evals/plots."""
+  from c2.envs import config as env_config  # pylint: disable=import-outside-toplevel
+  from c2.evals import report, suites  # pylint: disable=import-outside-toplevel
+  exp = run.exp
+  if not run.is_primary:
+    return {}
+  options = suites.SuiteOptions(context=exp.data.seq_len, seed=exp.data.seed,
+                                agentic_max_context=exp.rl.max_context or exp.data.seq_len,
+                                **({"env": env_config.to_env_config(exp.env)} if exp.env else {}))
+  return report.evaluate_in_training(
+      suites.parse_suites(exp.train.eval_suites), exp.model, run.state.params, run.tokenizer,
+      options, step=step, out_dir=os.path.join(run.workdir, "evals"), writer=writer,
+      log=tqdm.tqdm.write)
+
+
 def heldout_unigram_entropy(exp: ExperimentConfig, tokenizer: Tokenizer) -> float:
   """Unigram entropy (nats) of the eval batches' targets: the loss of a context-free model."""
   iterator = make_iterator(exp, tokenizer, "heldout")
@@ -263,6 +280,9 @@ def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
         writer.write_scalars(step, eval_metrics)
         metrics = {**metrics, **eval_metrics}
         tqdm.tqdm.write(f"step {step}: eval/ce {eval_metrics.get('eval/ce', float('nan')):.4f}")
+      if exp.train.eval_suites and (step % (exp.train.eval_suites_every or exp.train.eval_every)
+                                    == 0 or stop):
+        metrics = {**metrics, **run_eval_suites(run, writer, step)}
       if step % exp.checkpoint.every_steps == 0 or stop:
         run.checkpointer.save(run.state, data_state=run.train_iter.get_state(), force=stop)
       if stop:

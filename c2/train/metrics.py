@@ -1,6 +1,7 @@
 """One metrics writer: TensorBoard event files (workdir/tb) plus a JSONL mirror, process 0 only.
 
-Scalars use hierarchical names (train/loss, eval/loss, mtp/1/kl, moe/load_max_over_mean, ...).
+Scalars use hierarchical names (train/loss, eval/loss, mtp/1/kl, moe/load_max_over_mean, ...);
+images (evaluation figures) go to TensorBoard only.
 The experiment config is written beside the curves as text and as TensorBoard hparams, so a run's
 curves always travel with the settings that produced them.
 """
@@ -59,6 +60,14 @@ class MetricWriter:
       logging.warning("step %d: non-finite metrics %s", step,
                       ", ".join(f"{k}={values[k]}" for k in nonfinite))
     return nonfinite
+
+  def write_images(self, step: int, images: Mapping[str, Any]) -> None:
+    """RGB images [H, W, 3] uint8 (e.g. evaluation figures, c2/evals/plots.py) by name."""
+    if not self.enabled:
+      return
+    for key, image in images.items():
+      self._tb.add_image(key, np.asarray(image), global_step=step, dataformats="HWC")
+    self._tb.flush()
 
   def write_config(self, config_dict: Mapping[str, Any], headline: Mapping[str, float]) -> None:
     """Config as text plus TensorBoard hparams (flattened config, with headline metrics)."""

@@ -30,3 +30,21 @@ def test_a_writer_on_another_process_writes_nothing(tmp_path):
   assert writer.write_scalars(1, {"train/loss": float("nan")}) == []
   writer.close()
   assert not (tmp_path / "tb").exists()
+
+
+def test_images_reach_tensorboard(tmp_path):
+  import io
+
+  import numpy as np
+  from PIL import Image
+  image = np.zeros((6, 10, 3), np.uint8)
+  image[:, :5, 0] = 255  # left half red
+  writer = MetricWriter(str(tmp_path), enabled=True)
+  writer.write_images(60, {"eval/plots/pareto": image})
+  writer.close()
+  events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+  events.Reload()
+  (event,) = events.Images("eval/plots/pareto")
+  assert (event.step, event.width, event.height) == (60, 10, 6)
+  np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(event.encoded_image_string))),
+                                image)
