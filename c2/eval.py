@@ -15,13 +15,11 @@ evaluated there; figures go to OUT/plots (PNG, SVG and the JSON behind each) and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import sys
-import tempfile
-from typing import Iterator, Optional
+from typing import Optional
 
 from c2 import cli
 from c2.envs import config as env_config_lib
@@ -91,23 +89,6 @@ def _workdir_steps(path: str, spec: str) -> list[Optional[int]]:
   return wanted
 
 
-@contextlib.contextmanager
-def _at_step(path: str, step: Optional[int]) -> Iterator[str]:
-  """A directory loading.load_for_serving reads as `path` at `step`: for a workdir, a temporary
-  view (links to tb/, tokenizer.json and ckpt/<step> only), since the loader serves the latest."""
-  if step is None:
-    yield path
-    return
-  with tempfile.TemporaryDirectory(prefix="c2-eval-") as view:
-    for name in ("tb", "tokenizer.json"):
-      if os.path.exists(os.path.join(path, name)):
-        os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
-    os.makedirs(os.path.join(view, "ckpt"))
-    os.symlink(os.path.abspath(os.path.join(path, "ckpt", str(step))),
-               os.path.join(view, "ckpt", str(step)))
-    yield view
-
-
 def _options(args, experiment: dict, max_positions: int) -> suites.SuiteOptions:
   data, rl = experiment.get("data") or {}, experiment.get("rl") or {}
   context = min(args.context or data.get("seq_len") or _DEFAULT_CONTEXT, max_positions)
@@ -142,11 +123,10 @@ def main(argv=None) -> None:
   for path in paths:
     steps = _workdir_steps(path, args.steps)
     for step in steps:
-      with _at_step(path, step) as directory:
-        try:
-          cfg, params, tokenizer = loading.load_for_serving(directory, args.dtype)
-        except loading.LoadError as e:
-          raise SystemExit(f"c2.eval: {e}") from None
+      try:
+        cfg, params, tokenizer = loading.load_for_serving(path, args.dtype, step)
+      except loading.LoadError as e:
+        raise SystemExit(f"c2.eval: {e}") from None
       options = _options(args, _experiment(path), cfg.max_position_embeddings)
       name = os.path.basename(os.path.normpath(path))
       label = args.label if args.label and len(paths) * len(steps) == 1 else (

@@ -40,10 +40,11 @@ class LoadError(ValueError):
   """The directory is not a servable checkpoint; the message names the path and what was expected."""
 
 
-def load_for_serving(path: str, dtype: Optional[str] = None
+def load_for_serving(path: str, dtype: Optional[str] = None, step: Optional[int] = None
                      ) -> tuple[ModelConfig, dict, Tokenizer]:
   """Returns (cfg, params on the host, tokenizer). `dtype` overrides the compute dtype
-  (cfg.dtype), e.g. "float32" for reference numerics; None keeps the checkpoint's."""
+  (cfg.dtype), e.g. "float32" for reference numerics; None keeps the checkpoint's. `step` picks
+  a training workdir's checkpoint (None: the latest)."""
   if dtype is not None and dtype not in DTYPES:
     raise LoadError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
   if not os.path.isdir(path):
@@ -52,7 +53,7 @@ def load_for_serving(path: str, dtype: Optional[str] = None
   if os.path.exists(os.path.join(path, CONFIG_FILE)):
     cfg, params, tokenizer = _load_converted(path)
   elif os.path.exists(os.path.join(path, "tb", "config.json")):
-    cfg, params, tokenizer = _load_workdir(path)
+    cfg, params, tokenizer = _load_workdir(path, step)
   elif os.path.exists(os.path.join(path, "config.json")):
     cfg, params, tokenizer = _load_hugging_face(path, dtype)
   else:
@@ -113,12 +114,17 @@ def latest_step_dir(ckpt_dir: str) -> str:
   return os.path.join(ckpt_dir, str(max(steps)))
 
 
-def _load_workdir(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
+def _load_workdir(path: str, step: Optional[int] = None
+                  ) -> tuple[ModelConfig, dict, Tokenizer]:
   config_path = os.path.join(path, "tb", "config.json")
   with open(config_path) as f:
     experiment = json.load(f)
   cfg = workdir_model_config(experiment, config_path)
-  params_dir = os.path.join(latest_step_dir(os.path.join(path, "ckpt")), "params")
+  ckpt_dir = os.path.join(path, "ckpt")
+  step_dir = latest_step_dir(ckpt_dir) if step is None else os.path.join(ckpt_dir, str(step))
+  if not os.path.isdir(step_dir):
+    raise LoadError(f"{path}: no checkpoint at step {step} in {ckpt_dir}")
+  params_dir = os.path.join(step_dir, "params")
   spec = (experiment.get("data") or {}).get("tokenizer", "default")
   if spec == "default":
     # The run trained and cached it in the workdir; serving must not train a different one.
