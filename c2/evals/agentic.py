@@ -98,6 +98,10 @@ def run_rollouts(cfg: ModelConfig, params, tokenizer: Tokenizer, tasks: Sequence
   return out
 
 
+def _no_room(rollout: Rollout) -> bool:
+  return bool(rollout.stats.get("truncated", 0)) and rollout.stats.get("sampled_tokens", 0) == 0
+
+
 def summarize(cfg: ModelConfig, results: Sequence[tuple[Task, Optional[Rollout]]],
               samples: int, wall_seconds: float) -> dict[str, float]:
   """Suite scalars from (task, rollout) pairs; see the module docstring."""
@@ -120,6 +124,10 @@ def summarize(cfg: ModelConfig, results: Sequence[tuple[Task, Optional[Rollout]]
   out.update({name: float(np.mean(v)) for name, v in terms.items()})  # reward/<component>
   for key in _STATS:
     out[f"{key}_per_task"] = float(np.mean([r.stats.get(key, 0) for r in rollouts]))
+  # Rollouts that hit the context limit; `no_room` ones hit it before the first token (the prompt
+  # alone filled the context), which scores 0 for a reason that has nothing to do with the model.
+  out["truncated_rate"] = float(np.mean([r.stats.get("truncated", 0) for r in rollouts]))
+  out["no_room_rate"] = float(np.mean([_no_room(r) for r in rollouts]))
   cost = [rollout_flops(cfg, r) for r in rollouts]
   out["flops_per_task_mean"] = float(np.mean(cost))
   out["flops_per_task_median"] = float(np.median(cost))
@@ -132,4 +140,10 @@ def evaluate(cfg: ModelConfig, params, tokenizer: Tokenizer, tasks: Sequence[Tas
   started = time.perf_counter()
   results = run_rollouts(cfg, params, tokenizer, tasks, samples=samples, env_config=env_config,
                          sampling=sampling, max_context=max_context, slots=slots, workers=slots)
+  rollouts = [r for _, r in results if r is not None]
+  if rollouts and all(_no_room(r) for r in rollouts):
+    raise ValueError(
+        f"agentic eval: every task's prompt fills the rollout context (max_context={max_context} "
+        f"tokens), so nothing was sampled; raise it (python -m c2.eval --agentic-context N, "
+        f"config.rl.max_context) or use a shorter tool declaration (env tool_declaration)")
   return summarize(cfg, results, samples, time.perf_counter() - started)

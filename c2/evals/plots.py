@@ -15,6 +15,8 @@ A figure whose metrics no checkpoint has is skipped. `images` are RGB arrays for
 """
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 import re
@@ -65,9 +67,16 @@ def _pareto(results: Results, ax) -> dict:
             if "eval/agentic/flops_per_task_median" in m and "eval/agentic/pass_at_1" in m}
   if not points:
     return {}
+  colors = _colors(results)
+  # Checkpoints that land on the same point (e.g. all at pass@1 = 0 with the same cost) share
+  # one label, "a, b": separate labels would be printed over each other, unreadable.
+  same_point = collections.defaultdict(list)
   for label, (cost, acc) in points.items():
-    ax.scatter(cost, acc, s=40)
-    ax.annotate(label, (cost, acc), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.scatter(cost, acc, s=40, color=colors[label])
+    same_point[(float(f"{cost:.3g}"), round(acc, 3))].append(label)
+  for labels in same_point.values():
+    ax.annotate(", ".join(labels), points[labels[0]], textcoords="offset points", xytext=(4, 4),
+                fontsize=8)
   front = pareto_front(list(points.values()))
   # A staircase: from each frontier point, its accuracy holds until a cheaper-to-beat point.
   right = max(c for c, _ in points.values())

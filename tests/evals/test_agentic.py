@@ -66,6 +66,20 @@ def test_summary_scalars():
   assert out["pass_rate_ci_low"] < out["pass_at_1"] < out["pass_rate_ci_high"]
   costs = [agentic.rollout_flops(cfg, r) for _, r in results if r is not None]
   assert out["flops_per_task_median"] == pytest.approx(np.median(costs))
+  assert out["truncated_rate"] == 0 and out["no_room_rate"] == 0
+
+
+def test_prompts_that_fill_the_context_are_counted_and_refused(monkeypatch):
+  cfg = get_preset("tiny")
+  task = types.SimpleNamespace(task_id="t0")
+  no_room = _rollout([False] * 8, truncated=1)
+  cut = _rollout([False] * 4 + [True] * 4, truncated=1)
+  out = agentic.summarize(cfg, [(task, no_room), (task, cut)], samples=2, wall_seconds=1.0)
+  assert out["truncated_rate"] == 1.0 and out["no_room_rate"] == 0.5
+  monkeypatch.setattr(agentic, "run_rollouts", lambda *a, **k: [(task, no_room)] * 2)
+  with pytest.raises(ValueError, match="max_context=8 .*--agentic-context"):
+    agentic.evaluate(cfg, None, None, [task], samples=2, env_config=None, sampling=None,
+                     max_context=8)
 
 
 @pytest.mark.slow

@@ -44,3 +44,14 @@ def test_figures_without_data_are_skipped(tmp_path):
   paths, _ = plots.draw_all({"a": {"eval/codebase/nats_per_byte": 1.0}}, str(tmp_path))
   assert set(paths) == {"base_probes"}
   assert not (tmp_path / "pareto.png").exists()
+
+
+def test_checkpoints_on_the_same_point_share_one_label():
+  plt = plots._pyplot()
+  fig, ax = plt.subplots()
+  same = {"eval/agentic/flops_per_task_median": 2.6e9, "eval/agentic/pass_at_1": 0.0}
+  results = {"tiny@180": dict(same), "tiny@240": dict(same),
+             "tiny@300": {"eval/agentic/flops_per_task_median": 5e9, "eval/agentic/pass_at_1": 0.5}}
+  plots._pareto(results, ax)
+  assert sorted(t.get_text() for t in ax.texts) == ["tiny@180, tiny@240", "tiny@300"]
+  plt.close(fig)
