@@ -21,14 +21,24 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache per test session (shared by the xdist workers of one run):
 # tests that build the same program again (a run, then its resume; one small experiment in
-# several tests) load it instead of compiling it again. Fresh per session, so never stale.
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-_CACHE_DIR = (os.path.join(tempfile.gettempdir(), f"c2-test-jax-cache-{_RUN}") if _RUN
-              else tempfile.mkdtemp(prefix="c2-test-jax-cache-"))
+# several tests) load it instead of compiling it again. Fresh per session, so never stale: the
+# controller makes it when it loads this file, before it starts the workers, which inherit the
+# variable, and removes it when the session finishes.
+if "C2_TEST_JAX_CACHE" not in os.environ:
+  os.environ["C2_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="c2-test-jax-cache-")
+_CACHE_DIR = os.environ["C2_TEST_JAX_CACHE"]
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session):
+  """Removes the session's compilation cache; xdist workers leave it to the controller, which
+  finishes last."""
+  if not hasattr(session.config, "workerinput"):
+    import shutil
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
