@@ -49,6 +49,10 @@ class DataConfig:
   num_workers: int = 0
   text_field: str = "text"
   sft_train_on: str = "current_turn"  # sft only: which assistant turns carry loss
+  # Documents shorter than this many tokens are skipped (train and held-out), so long-context
+  # rows are filled by single long documents rather than many short ones packed together; 0 keeps
+  # every document. Longer documents are still cut into seq_len pieces.
+  min_doc_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,10 @@ class TrainConfig:
   balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha: 1e-4)
   bias_update_rate: float = 1e-3  # aux-loss-free bias speed gamma (0 freezes the bias)
   init_from: Optional[str] = None  # checkpoint dir to load params from (missing MTP: fresh)
+  # Also load init_from's optimizer state (moments), continuing pretraining's optimizer in a new
+  # phase; the learning-rate schedule restarts at this run's step 0. The checkpoint must be a c2
+  # workdir checkpoint of the same model and optimizer.
+  init_from_optimizer: bool = False
   nan_check: bool = True
   # c2/evals suites run on the step's params, comma-separated names or groups ("base", "all",
   # "codebase,long_context"); "" runs none. Scalars eval/<suite>/..., figures in workdir/evals.
@@ -337,6 +345,15 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   for name in ("log_every", "eval_every", "eval_batches", "steps", "ce_chunk_size"):
     if getattr(train, name) <= 0:
       raise ConfigError(f"config.train.{name} must be positive")
+  if train.init_from_optimizer and not train.init_from:
+    raise ConfigError("config.train.init_from_optimizer=True needs config.train.init_from (the "
+                      "checkpoint whose optimizer state to load)")
+  if data.min_doc_tokens < 0:
+    raise ConfigError(f"config.data.min_doc_tokens={data.min_doc_tokens} must be >= 0 (0: keep "
+                      "every document)")
+  if data.min_doc_tokens and exp.phase in ("sft", "rl"):
+    raise ConfigError("config.data.min_doc_tokens filters language-modelling documents; the "
+                      f"{exp.phase} phase does not read documents (set it to 0)")
   if train.eval_suites_every < 0:
     raise ConfigError("config.train.eval_suites_every must be >= 0 (0: every train.eval_every)")
   if train.eval_suites:

@@ -7,7 +7,7 @@
 --checkpoint takes one or more comma-separated directories: a c2 training workdir (its latest
 step, or --steps all|60,120), a converted checkpoint or a Hugging Face DeepseekV3/Kimi directory
 (c2/infer/loading.py). Suites (c2/evals/suites.py): codebase, state_tracking, knowledge,
-long_context, agentic; groups base (the three base-model probes) and all. Results merge into
+long_context, ruler, agentic; groups base (the three base-model probes) and all. Results merge into
 OUT/results.json (default OUT: the first checkpoint's evals/), so figures compare every checkpoint
 evaluated there; figures go to OUT/plots (PNG, SVG and the JSON behind each) and TensorBoard
 (OUT/tb). The same suites run inside training with --config.train.eval_suites=base.

@@ -28,11 +28,36 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   attention kernel, c2/parallel/sharding.py). Bounded expert-parallel buffers (2x the mean load;
   drops are logged): the dropless worst case would cost EP=16 times the dispatched activations.
   Remat recomputes all but the attention kernel's outputs (at 32k attention is most of a layer's
-  FLOPs): 55.9 of 95 GiB per device, FLOP ratio 1.61 (full remat: 39.9 GiB, 1.77)."""
+  FLOPs): 55.9 of 95 GiB per device, FLOP ratio 1.61 (full remat: 39.9 GiB, 1.77). Measured on
+  the Ulysses splash path (2026-12-04): save_wide_dots (c2/model/block.py) 75.3 GiB, 1.571: -0.04
+  for +19.5 GiB, not taken. The rest of the excess is the splash kernels (x1.90 of useful
+  attention: unfused backward, 192 -> 256 head padding) and the recomputed routed experts."""
   c.model.preset = "kimi-k2.5"
   c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
   c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=1024)
   c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
   c.train.update(max_minutes=None, eval_batches=16, ce_chunk_size=8192)
   c.aot.update(topology="v5p:16x16x16")
+  return c
+
+
+def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The proxy at 262144 tokens (phase 2), 8 rows per step on the 64 chips of `proxy`: each row
+  split over 8 context shards, so a device holds 32k tokens as in phase 1. Not AOT-measured yet;
+  tune here."""
+  proxy(c)
+  c.data.update(seq_len=262144, global_batch_size=8)
+  c.mesh.update(fsdp=-1, expert=8, context=8)
+  return c
+
+
+def full_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The full model at 262144 tokens (phase 2): phase 1's tokens per step (128 x 256k = 1024 x
+  32k) on the same 4096 chips, each row over 32 context shards (fsdp 8 x expert 16 x context
+  32), so a device holds 8k tokens as in `full`. Not AOT-measured yet: on the 2-core, 24 GiB
+  dev host the compile (Ulysses path, save_wide_dots) was killed by the host's OOM killer at
+  13.6 GiB of compiler memory after 20 CPU-minutes; measure on a bigger host. Tune here."""
+  full(c)
+  c.data.update(seq_len=262144, global_batch_size=128)
+  c.mesh.update(fsdp=-1, expert=16, tensor=1, context=32)
   return c

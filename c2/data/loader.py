@@ -9,7 +9,7 @@ without any host holding all of it (`jax.make_array_from_process_local_data`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -28,15 +28,18 @@ class ShardedRows:
   Checkpointable like a grain iterator: `get_state()` is a JSON-able dict of the shards' states.
   """
 
-  def __init__(self, shard_iterators: dict[int, object]):
+  def __init__(self, shard_iterators: dict[int, object],
+               transform: Optional[Callable[[dict], dict]] = None):
     self._iterators = shard_iterators
+    self._transform = transform  # e.g. c2.data.zigzag's layout, applied to the packed rows
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
     rows = [next(iterator) for iterator in self._iterators.values()]  # each [1, T]
-    return {key: np.concatenate([row[key] for row in rows]) for key in rows[0]}
+    batch = {key: np.concatenate([row[key] for row in rows]) for key in rows[0]}
+    return self._transform(batch) if self._transform else batch
 
   def get_state(self) -> dict:
     return {str(shard): iterator.get_state() for shard, iterator in self._iterators.items()}
@@ -54,9 +57,11 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
                   global_batch_size: int, seed: int, split: str,
                   num_epochs: Optional[int] = None, text_field: str = "text",
                   sft_train_on: str = "current_turn", read_threads: int = 1,
-                  num_workers: int = 0, process_index: Optional[int] = None,
-                  process_count: Optional[int] = None) -> ShardedRows:
-  """The checkpointable iterator of this process's [B_local, T] batches for a phase."""
+                  num_workers: int = 0, min_doc_tokens: int = 0,
+                  process_index: Optional[int] = None, process_count: Optional[int] = None,
+                  batch_transform: Optional[Callable[[dict], dict]] = None) -> ShardedRows:
+  """The checkpointable iterator of this process's [B_local, T] batches for a phase.
+  min_doc_tokens (language modelling only): documents shorter than this are skipped."""
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if global_batch_size % process_count:
@@ -65,13 +70,14 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
   per_process = global_batch_size // process_count
   shards = range(process_index * per_process, (process_index + 1) * per_process)
   make = pipeline.make_sft_iterator if phase == "sft" else pipeline.make_lm_iterator
-  extra = {"train_on": sft_train_on} if phase == "sft" else {"text_field": text_field}
+  extra = ({"train_on": sft_train_on} if phase == "sft"
+           else {"text_field": text_field, "min_example_tokens": min_doc_tokens})
   return ShardedRows({
       shard: make(source_spec=source, tokenizer=tokenizer, seq_len=seq_len, batch_size=1,
                   seed=seed, process_index=shard, process_count=global_batch_size, split=split,
                   num_epochs=num_epochs, read_threads=read_threads, num_workers=num_workers,
                   num_packing_bins=16, **extra)
-      for shard in shards})
+      for shard in shards}, batch_transform)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, global_shape: tuple[int, ...],

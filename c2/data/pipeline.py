@@ -3,7 +3,8 @@
 Order of operations (a grain dataset graph, see build_dataset):
   records (random access) -> global shuffle (seed; reshuffled each epoch) -> repeat(num_epochs)
   -> this process's slice [process_index::process_count] -> tokenise / render (read threads)
-  -> cut to seq_len -> first-fit packing -> batch -> batch contract (c2/data/packing.py)
+  -> drop examples under min_example_tokens (long-context phases) -> cut to seq_len
+  -> first-fit packing -> batch -> batch contract (c2/data/packing.py)
 
 Sharding slices the one global shuffled stream, so processes see disjoint records that together
 cover each epoch, and no process needs to know what the others read.
@@ -36,11 +37,23 @@ def _process_slot(process_index: int | None, process_count: int | None) -> tuple
   return process_index, process_count
 
 
+class MinLength(grain.transforms.Filter):
+  """Keeps examples of at least `min_tokens` tokens (a class, not a lambda: worker processes
+  pickle it)."""
+
+  def __init__(self, min_tokens: int):
+    self.min_tokens = min_tokens
+
+  def filter(self, example) -> bool:
+    return len(example["tokens"]) >= self.min_tokens
+
+
 def build_dataset(*, source_spec: str | sources.SourceSpec, to_example: grain.transforms.Map,
                   seq_len: int, batch_size: int, pad_id: int, seed: int, split: str,
                   process_index: int | None = None, process_count: int | None = None,
                   num_epochs: int | None = None, num_packing_bins: int | None = None,
-                  read_threads: int = 1, num_workers: int = 0) -> grain.IterDataset:
+                  read_threads: int = 1, num_workers: int = 0,
+                  min_example_tokens: int = 0) -> grain.IterDataset:
   """The grain dataset of batches; `iter()` it for a checkpointable iterator.
 
   Args:
@@ -49,6 +62,8 @@ def build_dataset(*, source_spec: str | sources.SourceSpec, to_example: grain.tr
     num_packing_bins: rows packed at once (default max(batch_size, 64)).
     read_threads: threads that read and tokenise records ahead of packing.
     num_workers: >0 moves the whole pipeline into that many worker processes.
+    min_example_tokens: drop shorter examples before cutting and packing (long-context phases
+      fill rows with one long document instead of many short ones packed together).
   """
   process_index, process_count = _process_slot(process_index, process_count)
   records = grain.MapDataset.source(sources.open_source(source_spec, split))
@@ -59,6 +74,8 @@ def build_dataset(*, source_spec: str | sources.SourceSpec, to_example: grain.tr
   records = records[process_index::process_count]
   examples = records.map(to_example).to_iter_dataset(
       grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(4 * read_threads, 8)))
+  if min_example_tokens:
+    examples = examples.filter(MinLength(min_example_tokens))
   examples = grain.experimental.FlatMapIterDataset(examples, examples_lib.CutToLength(seq_len))
   rows = packing.pack_examples(examples, seq_len=seq_len, pad_id=pad_id, seed=seed,
                                num_packing_bins=num_packing_bins or max(batch_size, 64))
@@ -77,7 +94,8 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
 
   Returns a grain DatasetIterator yielding dicts of numpy arrays tokens / segment_ids / positions
   (int32) and loss_mask (float32), each [batch_size, seq_len] (contract in c2/data/packing.py).
-  `options` go to build_dataset (num_packing_bins, read_threads, num_workers).
+  `options` go to build_dataset (num_packing_bins, read_threads, num_workers,
+  min_example_tokens).
   """
   dataset = build_dataset(
       source_spec=source_spec, to_example=examples_lib.DocumentToExample(tokenizer, text_field),

@@ -10,6 +10,8 @@ Suites (names for `--suite` and `train.eval_suites`; `base` = the three base-mod
                   (state_tracking.py)
   knowledge       question/answer pairs, exact match and answer nats (knowledge.py; your own JSONL)
   long_context    loss by position, needle and variable tracking by length (long_context.py)
+  ruler           RULER-style single- and multi-key needles and variable-tracking chains by
+                  length: exact match, answer nats, nats the needle is worth (ruler.py)
   agentic         held-out environment tasks: pass@k, rewards, tokens, tool calls, cost (agentic.py)
 Every scalar is named eval/<suite>/<metric>, plus eval/<suite>/seconds (wall time of the suite),
 so the train loop logs them with its metric writer. SuiteOptions holds plain values; the roots
@@ -25,7 +27,7 @@ from c2.data.tokenizer import Tokenizer
 from c2.envs import task_generator
 from c2.envs.environment import EnvConfig
 from c2.envs.tasks import read_jsonl
-from c2.evals import agentic, codebase_loss, knowledge, long_context, state_tracking
+from c2.evals import agentic, codebase_loss, knowledge, long_context, ruler, state_tracking
 from c2.evals.probe_model import ProbeModel
 from c2.infer.sampling import SamplingParams
 from c2.model.config import ModelConfig
@@ -44,7 +46,7 @@ class SuiteOptions:
   knowledge_path: Optional[str] = None  # JSONL {"question", "answer"}; None: the builtin pairs
   knowledge_questions: int = 64
   long_lengths: tuple[int, ...] = ()  # (): context / 4, / 2, x 1, x 2
-  long_examples: int = 8  # per kind and length
+  long_examples: int = 8  # per kind and length (long_context and ruler)
   long_rows: int = 16  # rows of the loss-by-position curve
   agentic_tasks: str = "generated"  # generated | jsonl:PATH (held-out tasks)
   agentic_count: int = 16
@@ -85,6 +87,11 @@ def _long_context(probe: ProbeModel, o: SuiteOptions) -> dict:
                                examples=o.long_examples, position_rows=o.long_rows, seed=o.seed)
 
 
+def _ruler(probe: ProbeModel, o: SuiteOptions) -> dict:
+  return ruler.evaluate(probe, lengths=o.lengths(probe.cfg.max_position_embeddings),
+                        examples=o.long_examples, seed=o.seed)
+
+
 def heldout_tasks(o: SuiteOptions) -> list:
   if o.agentic_tasks.startswith("jsonl:"):
     return read_jsonl(o.agentic_tasks[len("jsonl:"):].format(split="heldout"))[:o.agentic_count]
@@ -102,7 +109,7 @@ def _agentic(probe: ProbeModel, o: SuiteOptions) -> dict:
 
 SUITES: dict[str, Callable[[ProbeModel, SuiteOptions], dict]] = {
     "codebase": _codebase, "state_tracking": _state_tracking, "knowledge": _knowledge,
-    "long_context": _long_context, "agentic": _agentic}
+    "long_context": _long_context, "ruler": _ruler, "agentic": _agentic}
 GROUPS = {"base": ("codebase", "state_tracking", "knowledge"), "all": tuple(SUITES)}
 
 
@@ -123,7 +130,7 @@ def parse_suites(spec: str) -> list[str]:
 def probe_capacity(names: Sequence[str], cfg: ModelConfig, o: SuiteOptions) -> int:
   """Engine tokens per sequence the suites need (long-context prompts can exceed `context`)."""
   capacity = o.context
-  if "long_context" in names:
+  if "long_context" in names or "ruler" in names:
     capacity = max(capacity, max(o.lengths(cfg.max_position_embeddings), default=0) + 8)
   return capacity
 

@@ -8,15 +8,18 @@ weight sum, so packing and padding never change a mean. Returns the scalar loss 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from c2 import model as model_lib
+from c2.data import zigzag
 from c2.losses import head as head_loss
 from c2.losses import targets as targets_lib
 from c2.model.config import ModelConfig
+from c2.ops.context_attention import context_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,20 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
+def _zigzag_align_mtp(mtp_hidden, mtp_weights, depth, *, num_shards):
+  """head_loss.align_mtp for zig-zag rows: one static gather along T (the batch was permuted for
+  the mesh's context shards). Under context parallelism XLA moves the MTP hidden state between
+  shards for it: one activation's worth of traffic per MTP depth."""
+  index, valid = zigzag.shift_right_index(mtp_hidden.shape[1], num_shards, depth)
+  gather = lambda x: jnp.where(valid.reshape((1, -1) + (1,) * (x.ndim - 2)),
+                               jnp.take(x, index, axis=1), 0).astype(x.dtype)
+  return gather(mtp_hidden), gather(mtp_weights)
+
+
 def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
             forced_routes=None) -> tuple[jax.Array, dict]:
-  """batch: tokens, segment_ids, positions [B, T] int32, loss_mask [B, T] float32.
+  """batch: tokens, segment_ids, positions [B, T] int32, loss_mask [B, T] float32; a zig-zag
+  batch (c2/data/zigzag.py) also holds its look-ahead arrays, and runs the model in that layout.
 
   Returns (loss, aux) where aux holds scalar metrics under "metrics" and, for MoE models, the
   per-expert loads by router group under "router_load" (c2.model.router_loads: trunk [L, E],
@@ -50,16 +64,21 @@ def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
   tokens, segments, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
   use_mtp = cfg.mtp_depth > 0 and weights.mtp_weight > 0
   detach = weights.mtp_detach_trunk
+  mtp_tokens, align = None, head_loss.align_mtp
+  if zigzag.is_zigzag(batch):  # zig-zag rows: no shifts along T
+    cfg = cfg.replace(sequence_layout="zigzag")
+    mtp_tokens = [targets_lib.lookahead_tokens(batch, k) for k in range(1, cfg.mtp_depth + 1)]
+    align = functools.partial(_zigzag_align_mtp, num_shards=context_shards(tokens.shape[1]))
   out = model_lib.forward(cfg, params, tokens, segments, batch["positions"], forced_routes,
-                          with_mtp=use_mtp, detach_mtp_inputs=detach)
+                          with_mtp=use_mtp, detach_mtp_inputs=detach, mtp_tokens=mtp_tokens)
   head = model_lib.head_kernel(cfg, params)
-  targets, target_w = targets_lib.next_token_targets(tokens, segments, mask, offset=1)
+  targets, target_w = targets_lib.batch_targets(batch, offset=1)
   mtp_hidden = mtp_w = None
   if use_mtp:
     # Depth k's state at position t predicts token t+1+k: align it with the main position t+k
     # so the fused head pass sees student, teacher and target of a token together.
-    aligned = [head_loss.align_mtp(out["mtp_hidden"][k - 1], targets_lib.next_token_targets(
-        tokens, segments, mask, offset=1 + k)[1], k) for k in range(1, cfg.mtp_depth + 1)]
+    aligned = [align(out["mtp_hidden"][k - 1], targets_lib.batch_targets(
+        batch, offset=1 + k)[1], k) for k in range(1, cfg.mtp_depth + 1)]
     mtp_hidden = jnp.stack([_flat(h) for h, _ in aligned], axis=1)  # [N, M, D]
     mtp_w = jnp.stack([_flat(w) for _, w in aligned], axis=1)  # [N, M]
   spec = head_loss.HeadLossSpec(

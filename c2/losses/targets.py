@@ -7,6 +7,12 @@ Conventions (the data pipeline packs documents into rows):
   loss_mask   [B,T] float 1 where the token *at* position t is a valid target (0 on prompts,
                           padding, tool output, ...). It marks targets, not inputs.
 Shared by every phase's objective (c2/losses/lm.py) and by the model's MTP inputs.
+
+Zig-zag batches (c2/data/zigzag.py, latent context parallelism) are permuted along T, so shifts
+along T would pair the wrong tokens; they carry, per offset k, the token at t + k
+(`next_tokens_k`) and the next-token weight of offset k (`next_weights_k`), computed in natural
+order before the permutation. `batch_targets` and `lookahead_tokens` read those when present and
+shift otherwise (natural order: the arrays are never made, the path is unchanged).
 """
 import jax
 import jax.numpy as jnp
@@ -52,3 +58,23 @@ def next_token_targets(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax
   same_document = (shift_left(segment_ids, offset) == segment_ids) & (segment_ids != 0)
   weights = shift_left(loss_mask.astype(jnp.float32), offset) * same_document
   return jnp.where(weights > 0, targets, 0), weights
+
+
+def lookahead_keys(offset: int) -> tuple[str, str]:
+  """Batch keys of offset k's look-ahead arrays: (tokens at t + k, next-token weights)."""
+  return f"next_tokens_{offset}", f"next_weights_{offset}"
+
+
+def batch_targets(batch: dict, offset: int = 1) -> tuple[jax.Array, jax.Array]:
+  """next_token_targets for a batch in either layout: (targets [B,T] int32, weights [B,T] f32)."""
+  tokens_key, weights_key = lookahead_keys(offset)
+  if weights_key not in batch:
+    return next_token_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], offset)
+  weights = batch[weights_key].astype(jnp.float32)
+  return jnp.where(weights > 0, batch[tokens_key], 0).astype(jnp.int32), weights
+
+
+def lookahead_tokens(batch: dict, offset: int) -> jax.Array:
+  """The token at t + offset for every position [B,T] (zero past the row end), either layout."""
+  tokens_key, _ = lookahead_keys(offset)
+  return batch[tokens_key] if tokens_key in batch else shift_left(batch["tokens"], offset)

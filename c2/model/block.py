@@ -6,6 +6,7 @@ A block is the unit that `nn.scan` stacks, so its call signature is (carry, *bro
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -42,7 +43,8 @@ class DecoderBlock(nn.Module):
         num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-        softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl, dtype=dtype,
+        softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl,
+        context_parallel=cfg.context_parallel, sequence_layout=cfg.sequence_layout, dtype=dtype,
         param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions, cache)
     cache_aux = {}
     if cache is not None:
@@ -63,19 +65,43 @@ class DecoderBlock(nn.Module):
     return x + y, {**aux, **cache_aux}
 
 
+# Dot outputs with at least this many contracted elements are kept by `save_wide_dots`: each kept
+# element spares 2 x contraction FLOPs of recompute for its bytes.
+WIDE_CONTRACTION = 4096
+
+
+def _wide_dots_saveable(prim, *avals, **params) -> bool:
+  """A jax remat policy: save dot_general outputs whose contraction is >= WIDE_CONTRACTION.
+
+  In a block: the projections out of the model width (q_a, kv_a, the router, the dense and
+  shared FFN's gate/up, contraction D = 7168), the attention output projection (H x J = 8192)
+  and the dense FFN's down projection; not the narrow up-projections q_b (Q = 1536), kv_b
+  (L = 512) and the shared expert's down projection (2048), nor the routed experts (Pallas or
+  ragged_dot, no dot_general)."""
+  if prim is not jax.lax.dot_general_p:
+    return False
+  (lhs_contracting, _), _ = params["dimension_numbers"]
+  return math.prod(avals[0].shape[d] for d in lhs_contracting) >= WIDE_CONTRACTION
+
+
 def remat_policy(name: str):
   """full: recompute the whole block in the backward pass (least memory, ~1/3 more FLOPs).
   save_attention: recompute all but the attention kernel's outputs (its output and logsumexp, a
   few bytes per token and head), so the backward never reruns the forward attention kernel: at
   32k tokens that kernel is most of a layer's FLOPs.
+  save_wide_dots: save_attention, and also keep the matmul outputs with a wide contraction
+  (`_wide_dots_saveable`: ~14k values per token and layer for ~106M recomputed MACs spared);
+  the routed experts, q_b and kv_b are still recomputed.
   save_dots: keep every matmul output, plus the Pallas kernels' outputs (expert matmuls, the
   attention kernel's) and the dispatched expert rows, by checkpoint name: a Pallas call is no
   dot to jax's policy, and without the names the backward would rerun the expert matmuls, the
   attention kernel and the all-to-all."""
   policies = jax.checkpoint_policies
+  save_attention = policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS)
   return {
       "full": policies.nothing_saveable,
-      "save_attention": policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS),
+      "save_attention": save_attention,
+      "save_wide_dots": policies.save_from_both_policies(_wide_dots_saveable, save_attention),
       "save_dots": policies.save_from_both_policies(
           policies.dots_with_no_batch_dims_saveable,
           policies.save_only_these_names(dispatch.DISPATCHED_ROWS, dispatch.EXPERT_MATMUL,

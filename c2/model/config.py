@@ -40,8 +40,10 @@ class YarnScaling:
 GMM_IMPLS = ("auto", "ragged_dot", "dense", "pallas")
 GMM_FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
 A2A_IMPLS = ("auto", "ragged", "padded", "ragged_emulated")
-REMAT_POLICIES = ("none", "full", "save_attention", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_attention", "save_wide_dots", "save_dots")  # block.py
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash")  # see c2.ops.attention
+CONTEXT_PARALLEL = ("latent_all_gather", "ulysses")  # see c2.ops.context_attention
+SEQUENCE_LAYOUTS = ("natural", "zigzag")  # see c2.data.zigzag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,14 @@ class ModelConfig:
   # (P times the average). Overflowing token-choices are dropped and counted (moe/dropped_fraction).
   ep_capacity_factor: Optional[float] = None
   attention_impl: str = "auto"  # splash on TPU; dense (T <= 2048) or blockwise elsewhere
+  # How attention splits a row over the mesh's context axis (c2.ops.context_attention):
+  # "latent_all_gather" gathers the MLA latents (Composer 2's; the pipeline then lays rows out
+  # zig-zag, c2.data.zigzag) or "ulysses" all-to-alls (the default: on TPU, splash exactly as
+  # before this option existed; experiments opt into the latent path until measured).
+  context_parallel: str = "ulysses"
+  # Row order of the batch being run: "zigzag" is set by the loss for zig-zag batches
+  # (c2.data.zigzag); experiments leave it "natural".
+  sequence_layout: str = "natural"
   # False: the layers as separate modules `layer_{i}` instead of one nn.scan over stacked params
   # (params converted by c2.model.unstack_layers). For decoding on CPU, where XLA copies each
   # layer's slice of the stacked weights every step; training and checkpoints use the scan.
@@ -135,7 +145,9 @@ class ModelConfig:
     if self.ep_capacity_factor is not None and self.ep_capacity_factor < 1.0:
       raise ValueError("ModelConfig.ep_capacity_factor must be >= 1 (None: dropless worst case)")
     for name, allowed in (("gmm_impl", GMM_IMPLS), ("a2a_impl", A2A_IMPLS),
-                          ("remat_policy", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS)):
+                          ("remat_policy", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS),
+                          ("context_parallel", CONTEXT_PARALLEL),
+                          ("sequence_layout", SEQUENCE_LAYOUTS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {allowed}")
     for name in ("gmm_fmt", "gmm_bwd_fmt", "dispatch_fmt"):

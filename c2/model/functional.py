@@ -86,12 +86,14 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
             forced_routes: Optional[jax.Array] = None, with_mtp: bool = True,
             detach_mtp_inputs: bool = False, cache: Optional[tuple] = None,
-            replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK) -> dict:
+            replay_fallback: ReplayFallback = DEFAULT_REPLAY_FALLBACK,
+            mtp_tokens: Optional[list] = None) -> dict:
   """See `Transformer.__call__`; `cache` = (stacks, rows, lengths) runs the decoding form.
   replay_fallback: the plausibility rule for forced_routes ("rank" default, "rank:M", a float
   margin, "off"; c2.model.router.replay_threshold); the RL config decides it."""
   return build(cfg, replay_fallback).apply({"params": params}, tokens, segment_ids, positions,
-                                           forced_routes, with_mtp, detach_mtp_inputs, cache)
+                                           forced_routes, with_mtp, detach_mtp_inputs, cache,
+                                           mtp_tokens)
 
 
 def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Array,

@@ -72,13 +72,15 @@ class Transformer(nn.Module):
   def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None,
                positions: Optional[jax.Array] = None, forced_routes: Optional[jax.Array] = None,
                with_mtp: bool = True, detach_mtp_inputs: bool = False,
-               cache: Optional[tuple] = None) -> dict:
+               cache: Optional[tuple] = None, mtp_tokens: Optional[list] = None) -> dict:
     """tokens [B, T] -> dict(hidden [B, T, D] final-normed, mtp_hidden [M, B, T, D], aux).
 
     segment_ids default to one document per row, positions to 0..T-1. forced_routes
     [L, B, T, K] replays recorded MoE routes (RL router replay) in the main layers; a replayed
     expert the router finds implausible falls back to its own choice under the module's
     `replay_fallback` rule (c2.model.router.replay_threshold).
+    mtp_tokens: None, or per MTP depth k the token at t + k [B, T] (zig-zag rows, whose order
+    makes shifting along T wrong: c2/data/zigzag.py); None shifts `tokens`.
     detach_mtp_inputs stops MTP gradients at the trunk's hidden state and the embeddings, so an
     MTP loss trains only the MTP modules (Composer 2 attaches MTP to a pretrained trunk).
     aux: moe/{load [L, E], balance_loss [L], routes [L, B, T, K], replay_override_rate [L]} and
@@ -114,7 +116,8 @@ class Transformer(nn.Module):
       maybe_detach = jax.lax.stop_gradient if detach_mtp_inputs else (lambda a: a)
       prev, mtp_hidden, mtp_aux = maybe_detach(x), [], []
       for k, module in enumerate(self.mtp, start=1):
-        next_embeddings = maybe_detach(self.embed(shift_left(tokens, k)))
+        ahead = shift_left(tokens, k) if mtp_tokens is None else mtp_tokens[k - 1]
+        next_embeddings = maybe_detach(self.embed(ahead))
         prev, normed, layer_aux = module(prev, next_embeddings, segment_ids, positions)
         mtp_hidden.append(normed)
         mtp_aux.append(layer_aux)

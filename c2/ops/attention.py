@@ -14,8 +14,10 @@ function (they differ only in cost and float rounding):
 
 Packed rows hold several documents; `segment_ids` (0 = padding) keep attention inside a document
 and causality is by index within the row (documents are contiguous, so that equals causality by
-position). In `dot_product_attention` fully masked rows (padding) get a uniform distribution
-rather than NaNs, which would poison gradients; `attention` then sets them to zero.
+position), or by explicit `positions` when a row's tokens are permuted (zig-zag context
+parallelism: c2/data/zigzag.py, c2/ops/context_attention.py; splash always uses the index).
+In `dot_product_attention` fully masked rows (padding) get a uniform distribution rather than
+NaNs, which would poison gradients; `attention` then sets them to zero.
 """
 from __future__ import annotations
 
@@ -76,21 +78,24 @@ def resolve_impl(impl: str, seq_len: int) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, segment_ids: jax.Array,
-              impl: str = "auto") -> jax.Array:
+              impl: str = "auto", positions: Optional[jax.Array] = None) -> jax.Array:
   """Causal self-attention inside packed documents, by the implementation `impl` names.
 
-  q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] int (0 = padding)
-  -> [B, T, H, J] (dtype of v). Query rows with segment id 0 output zeros (and so pass no
-  gradient): implementations fill padding rows differently, and zero is the one answer all can
-  give exactly.
+  q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] int (0 = padding),
+  positions [B, T] int or None (None: causal by row index) -> [B, T, H, J] (dtype of v).
+  Query rows with segment id 0 output zeros (and so pass no gradient): implementations fill
+  padding rows differently, and zero is the one answer all can give exactly.
   """
   impl = resolve_impl(impl, q.shape[1])
   if impl == "reference":
     out = dot_product_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
-                                kv_segment_ids=segment_ids)
+                                kv_segment_ids=segment_ids, q_index=positions, kv_index=positions)
   elif impl == "blockwise":
     out = blockwise_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
-                              kv_segment_ids=segment_ids)
+                              kv_segment_ids=segment_ids, q_index=positions, kv_index=positions)
   else:
+    if positions is not None:
+      raise ValueError("the splash kernel is causal by row index; permuted rows (positions) need "
+                       "the reference or blockwise impl, or c2.ops.context_attention")
     out = splash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(v.dtype)

@@ -3,9 +3,12 @@
 Glossary: B batch, T query length, S key length, H heads, K query/key head dim, J value head dim,
 Q query block, C key/value block, N number of blocks.
 
-The same function as `c2.ops.attention.dot_product_attention` (causal by index inside packed
-segments, float32 scores and softmax statistics), except that query rows with segment id 0
-(padding) output zeros and pass no gradient; the dispatcher applies that rule to every impl.
+The same function as `c2.ops.attention.dot_product_attention` (causal inside packed segments,
+float32 scores and softmax statistics), except that query rows with segment id 0 (padding)
+output zeros and pass no gradient; the dispatcher applies that rule to every impl. Causality
+compares `q_index >= kv_index`: by default the row index (arange), or explicit per-token arrays
+such as positions, which stay correct when a row's tokens are permuted (zig-zag context
+parallelism, c2/data/zigzag.py): positions restart per document and increase inside one.
 
 Forward: for each query block, a scan over key blocks keeps the running max `m`, the running sum
 `l` and the unnormalised output (the online softmax); it saves only the output and the
@@ -20,6 +23,7 @@ nothing on the host (on CPU the untaken branch is not executed).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,38 +49,38 @@ def _unblocks(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, 0, 1).reshape(b, n * size, *x.shape[3:])
 
 
-def _block_mask(q_seg, kv_seg, q_start, kv_start, causal: bool) -> jax.Array:
-  """q_seg [B, Q], kv_seg [B, C] -> [B, 1, Q, C]: same non-padding segment, causal by index."""
+def block_mask(q_seg, kv_seg, q_idx, kv_idx, causal: bool) -> jax.Array:
+  """q_seg, q_idx [B, Q], kv_seg, kv_idx [B, C] -> [B, 1, Q, C]: same non-padding segment and
+  (if causal) q_idx >= kv_idx."""
   mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0)
   if causal:
-    q_index = q_start + jnp.arange(q_seg.shape[1])
-    kv_index = kv_start + jnp.arange(kv_seg.shape[1])
-    mask &= q_index[None, :, None] >= kv_index[None, None, :]
+    mask &= q_idx[:, :, None] >= kv_idx[:, None, :]
   return mask[:, None]
 
 
-def _scores(q_, k_, mask, scale):
+def scores(q_, k_, mask, scale):
+  """q_ [B, Q, H, K], k_ [B, C, H, K] -> masked float32 scores [B, H, Q, C]."""
   s = jnp.einsum("BQHK,BCHK->BHQC", q_, k_, preferred_element_type=_F32) * scale
   return jnp.where(mask, s, _MASK_VALUE)
 
 
-def _forward(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv):
+def _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
   """Padded inputs -> (out [B, T, H, J] dtype of v, lse [B, H, T] float32)."""
   b, _, h, _ = q.shape
   j = v.shape[-1]
   ks, vs, kv_segs = _blocks(k, block_kv), _blocks(v, block_kv), _blocks(kv_seg, block_kv)
-  num_kv = ks.shape[0]
+  kv_idxs = _blocks(kv_idx, block_kv)
 
   def q_block(_, xs):
-    i, q_, q_seg_ = xs
+    q_, q_seg_, q_idx_ = xs
 
     def kv_block(carry, ys):
-      jj, k_, v_, kv_seg_ = ys
-      mask = _block_mask(q_seg_, kv_seg_, i * block_q, jj * block_kv, causal)
+      k_, v_, kv_seg_, kv_idx_ = ys
+      mask = block_mask(q_seg_, kv_seg_, q_idx_, kv_idx_, causal)
 
       def update(carry):
         m, l, acc = carry
-        s = _scores(q_, k_, mask, scale)  # [B, H, Q, C]
+        s = scores(q_, k_, mask, scale)  # [B, H, Q, C]
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
@@ -87,50 +91,51 @@ def _forward(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv):
 
     init = (jnp.full((b, h, block_q), _MASK_VALUE, _F32), jnp.zeros((b, h, block_q), _F32),
             jnp.zeros((b, h, block_q, j), _F32))
-    (m, l, acc), _ = jax.lax.scan(kv_block, init, (jnp.arange(num_kv), ks, vs, kv_segs))
+    (m, l, acc), _ = jax.lax.scan(kv_block, init, (ks, vs, kv_segs, kv_idxs))
     # l == 0 only where every key block was skipped: rows of an all-padding query block.
     empty = l == 0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))  # exp(s - inf) = 0
     return None, (jnp.einsum("BHQJ->BQHJ", out).astype(v.dtype), lse)
 
-  qs, q_segs = _blocks(q, block_q), _blocks(q_seg, block_q)
-  _, (outs, lses) = jax.lax.scan(q_block, None, (jnp.arange(qs.shape[0]), qs, q_segs))
+  qs, q_segs, q_idxs = _blocks(q, block_q), _blocks(q_seg, block_q), _blocks(q_idx, block_q)
+  _, (outs, lses) = jax.lax.scan(q_block, None, (qs, q_segs, q_idxs))
   out = _unblocks(outs)  # [B, T, H, J]
   lse = jnp.moveaxis(lses, 0, 2).reshape(b, h, -1)  # [N, B, H, Q] -> [B, H, T]
   return jnp.where((q_seg != 0)[:, :, None, None], out, 0).astype(v.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv):
-  return _forward(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _flash(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
+  return _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv):
-  out, lse = _forward(q, k, v, q_seg, kv_seg, scale, causal, block_q, block_kv)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv)
+  return out, (q, k, v, q_seg, kv_seg, q_idx, kv_idx, out, lse)
 
 
 def _flash_bwd(scale, causal, block_q, block_kv, residuals, d_out):
-  q, k, v, q_seg, kv_seg, out, lse = residuals
+  q, k, v, q_seg, kv_seg, q_idx, kv_idx, out, lse = residuals
   b, t, h, kd = q.shape
   d_out = jnp.where((q_seg != 0)[:, :, None, None], d_out, 0).astype(v.dtype)  # padding rows
   # delta_i = sum_j p_ij dp_ij = <dO_i, O_i>: the softmax-backward correction per row.
   delta = jnp.einsum("BTHJ,BTHJ->BHT", d_out.astype(_F32), out.astype(_F32))
   qs, dos, q_segs = _blocks(q, block_q), _blocks(d_out, block_q), _blocks(q_seg, block_q)
+  q_idxs = _blocks(q_idx, block_q)
   row_blocks = lambda x: jnp.moveaxis(x.reshape(b, h, -1, block_q), 2, 0)  # [B,H,T]->[N,B,H,Q]
   lses, deltas = row_blocks(lse), row_blocks(delta)
   num_q = qs.shape[0]
 
   def kv_block(dq_acc, xs):
-    jj, k_, v_, kv_seg_ = xs
+    k_, v_, kv_seg_, kv_idx_ = xs
 
     def q_block(carry, ys):
-      i, q_, do_, lse_, delta_, q_seg_ = ys
-      mask = _block_mask(q_seg_, kv_seg_, i * block_q, jj * block_kv, causal)
+      q_, do_, lse_, delta_, q_seg_, q_idx_ = ys
+      mask = block_mask(q_seg_, kv_seg_, q_idx_, kv_idx_, causal)
 
       def grads(_):
-        p = jnp.exp(_scores(q_, k_, mask, scale) - lse_[..., None])  # [B, H, Q, C]
+        p = jnp.exp(scores(q_, k_, mask, scale) - lse_[..., None])  # [B, H, Q, C]
         dv = jnp.einsum("BHQC,BQHJ->BCHJ", p.astype(do_.dtype), do_, preferred_element_type=_F32)
         dp = jnp.einsum("BQHJ,BCHJ->BHQC", do_, v_, preferred_element_type=_F32)
         ds = p * (dp - delta_[..., None])
@@ -144,33 +149,39 @@ def _flash_bwd(scale, causal, block_q, block_kv, residuals, d_out):
       return (carry[0] + dk, carry[1] + dv), dq
 
     init = (jnp.zeros(k_.shape, _F32), jnp.zeros(v_.shape, _F32))
-    (dk, dv), dqs = jax.lax.scan(q_block, init,
-                                 (jnp.arange(num_q), qs, dos, lses, deltas, q_segs))
+    (dk, dv), dqs = jax.lax.scan(q_block, init, (qs, dos, lses, deltas, q_segs, q_idxs))
     return dq_acc + dqs, (dk, dv)
 
   ks, vs, kv_segs = _blocks(k, block_kv), _blocks(v, block_kv), _blocks(kv_seg, block_kv)
   dq_acc = jnp.zeros((num_q, b, block_q, h, kd), _F32)
-  dq_acc, (dks, dvs) = jax.lax.scan(kv_block, dq_acc, (jnp.arange(ks.shape[0]), ks, vs, kv_segs))
+  dq_acc, (dks, dvs) = jax.lax.scan(kv_block, dq_acc, (ks, vs, kv_segs, _blocks(kv_idx, block_kv)))
   return (_unblocks(dq_acc).astype(q.dtype), _unblocks(dks).astype(k.dtype),
-          _unblocks(dvs).astype(v.dtype), None, None)
+          _unblocks(dvs).astype(v.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
-                        q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool = True,
-                        block_q: int = 512, block_kv: int = 512) -> jax.Array:
+                        q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                        q_index: Optional[jax.Array] = None, kv_index: Optional[jax.Array] = None,
+                        causal: bool = True, block_q: int = 512, block_kv: int = 512) -> jax.Array:
   """q [B, T, H, K], k [B, S, H, K], v [B, S, H, J] -> [B, T, H, J] (dtype of v).
 
-  segment_ids [B, T] / [B, S] int (0 = padding). Any T and S: both are padded up to a multiple
-  of their (clipped) block with padding ids and sliced back. Blocks trade host speed (bigger:
-  fewer scan steps) against temporary memory (B * H * block_q * block_kv * 4 bytes per tile).
+  segment_ids [B, T] / [B, S] int (0 = padding). q_index [B, T] / kv_index [B, S] int: what
+  causality compares (default the row index; positions for permuted rows). Any T and S: both are
+  padded up to a multiple of their (clipped) block with padding ids and sliced back. Blocks trade
+  host speed (bigger: fewer scan steps) against temporary memory (B * H * block_q * block_kv * 4
+  bytes per tile).
   """
-  t, s = q.shape[1], k.shape[1]
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
   block_q, block_kv = min(block_q, round_up(t, 8)), min(block_kv, round_up(s, 8))
   pad_t, pad_s = round_up(t, block_q) - t, round_up(s, block_kv) - s
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
+  index = lambda x, n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)) if x is None else x
+  q_index, kv_index = index(q_index, t), index(kv_index, s)
   out = _flash(pad(q, pad_t), pad(k, pad_s), pad(v, pad_s), pad(q_segment_ids, pad_t),
-               pad(kv_segment_ids, pad_s), float(scale), bool(causal), block_q, block_kv)
+               pad(kv_segment_ids, pad_s), pad(q_index.astype(jnp.int32), pad_t),
+               pad(kv_index.astype(jnp.int32), pad_s), float(scale), bool(causal), block_q,
+               block_kv)
   return out[:, :t]

@@ -5,7 +5,8 @@ mesh axes shard it. Changing a parallelism layout means editing this table, neve
 
 Activations:
   batch       sequences in a batch                  -> data, fsdp, expert
-  length      positions in a sequence               -> context
+  length      positions in a sequence               -> context (attention then runs in
+              c2/ops/context_attention.py: latent all-gather over these axes, or Ulysses)
   act_embed   model width of activations            -> (replicated)
   act_heads   attention heads of activations        -> tensor
   kernel_heads  heads inside the attention kernel   -> tensor, context (the kernel needs whole

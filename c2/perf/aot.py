@@ -7,7 +7,8 @@ a compile-only TPU mesh (libtpu, no TPU needed), compiles it, and reports per-de
 (arguments, temporaries, outputs, total vs the chip's capacity), compiled matmul FLOPs
 (c2.perf.hlo_flops: every dot, convolution and Mosaic kernel of the optimized HLO, loops times
 their trip counts) and their ratio to the analytic useful FLOPs (6 x active params x tokens plus
-attention), and the count of each collective.
+attention), and the count of each collective and the bytes each device puts into them per step
+(c2.perf.hlo_collectives).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax
 from c2.config import ExperimentConfig
 from c2.ops import splash_attention  # noqa: F401  registers the splash kernels' FLOP rule
 from c2.parallel import mesh as meshlib
-from c2.perf import flops, hardware, hlo_flops
+from c2.perf import flops, hardware, hlo_collectives, hlo_flops
 from c2.train import program as program_lib
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
@@ -96,6 +97,8 @@ class AotReport(HbmUse):
   uncounted_kernels: list
   collectives: dict
   compile_seconds: float
+  # kind -> bytes per device per step, loops times their trip counts (c2.perf.hlo_collectives)
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
 
   @property
   def flop_ratio(self) -> float:
@@ -117,6 +120,9 @@ class AotReport(HbmUse):
         *([f"  WARNING kernels with no FLOP count: {self.uncounted_kernels}"]
           if self.uncounted_kernels else []),
         "  collectives  " + ", ".join(f"{k} {v}" for k, v in self.collectives.items()),
+        *([f"  collective bytes/device/step {sum(self.collective_bytes.values()) / 2**30:.2f} GiB: "
+           + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.collective_bytes.items() if v)]
+          if self.collective_bytes else []),
         f"  compile time {self.compile_seconds:.1f} s",
     ]
     return "\n".join(lines)
@@ -197,4 +203,5 @@ def report_of(compiled, exp: ExperimentConfig, topology: str, mesh: jax.sharding
       flops_by_kind=matmul.by_kind, flops_by_op=matmul.by_op_name, xla_cost_flops=float(cost.get("flops", 0.0)),
       unknown_trip_count_loops=matmul.unknown_trip_count_loops,
       uncounted_kernels=matmul.uncounted_kernels, collectives=count_collectives(hlo_text),
-      compile_seconds=elapsed)
+      compile_seconds=elapsed,
+      collective_bytes=hlo_collectives.count_collective_bytes(hlo_text))

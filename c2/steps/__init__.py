@@ -25,6 +25,7 @@ class PhaseSteps:
 STEPS: dict[str, PhaseSteps] = {
     "pretrain": PhaseSteps(train=lm_step, eval=lm_eval_step),
     "sft": PhaseSteps(train=lm_step, eval=lm_eval_step),
+    "long_context": PhaseSteps(train=lm_step, eval=lm_eval_step),  # longer rows, same objective
     "rl": PhaseSteps(train=rl_step, eval=rl_eval_step),
 }
 

@@ -109,6 +109,58 @@ def restore_params_subset(directory: str, abstract_params: Any,
   return dict(restored), missing
 
 
+def restore_opt_state(directory: str, abstract_opt_state: Any, step: Optional[int] = None) -> Any:
+  """The optimizer state of a c2 workdir checkpoint, read into `abstract_opt_state`'s shardings
+  (`train.init_from_optimizer`: a new phase continuing the previous phase's moments).
+
+  Raises ValueError naming the problem when the checkpoint holds no optimizer state (a Hugging
+  Face or converted directory) or when its state differs from this run's optimizer in structure
+  or shapes (another model section, another optimizer name), rather than Orbax's tree error.
+  """
+  if directory.startswith(HF_PREFIX) or _is_hf_dir(directory) or (
+      not _is_remote(directory) and os.path.exists(os.path.join(directory, "model_config.json"))):
+    raise ValueError(f"config.train.init_from={directory!r} holds model weights only; "
+                     "init_from_optimizer needs a c2 training checkpoint (workdir/ckpt)")
+  directory = directory if _is_remote(directory) else os.path.abspath(directory)
+  manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
+  step = manager.latest_step() if step is None else step
+  manager.close()
+  if step is None:
+    raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+  opt_dir = os.path.join(directory, str(step), "opt_state")
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    saved = checkpointer.metadata(opt_dir).item_metadata.tree
+  except (FileNotFoundError, ValueError) as e:
+    raise ValueError(f"config.train.init_from={directory!r} step {step} has no optimizer state "
+                     f"({e}); set config.train.init_from_optimizer=False") from None
+  want, have = _leaf_shapes(abstract_opt_state), _leaf_shapes(saved)
+  if want != have:
+    diff = sorted(set(want.items()) ^ set(have.items()))[:4]
+    raise ValueError(
+        f"config.train.init_from={directory!r} step {step}: its optimizer state does not match "
+        f"this run's ({len(have)} vs {len(want)} arrays; first differences (path, shape): "
+        f"{diff}). Use the model and optim sections of the run that saved it, or set "
+        "config.train.init_from_optimizer=False")
+  restored = checkpointer.restore(opt_dir, args=ocp.args.PyTreeRestore(
+      item=abstract_opt_state,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_opt_state)))
+  logging.info("init_from %s step %d: restored the optimizer state", directory, step)
+  return restored
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple]:
+  """{path: shape} of a pytree's arrays, with paths spelled the same for an optax state (named
+  tuples, tuples) and for the nested dicts and lists Orbax's metadata holds."""
+  def name(key) -> str:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+  return {"/".join(name(k) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 HF_PREFIX = "hf:"
 
 

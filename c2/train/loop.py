@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
+import optax
 import tqdm
 
 from c2.config import ExperimentConfig
@@ -99,15 +100,19 @@ def make_iterator(exp: ExperimentConfig, tokenizer: Tokenizer, split: str) -> It
   """The train split (read once per epoch, resumable) or the held-out split (the same batches
   from the start every time it is made)."""
   d = exp.data
+  # Zig-zag rows under latent context parallelism (c2/data/zigzag.py), for the mesh's context.
+  context = meshlib.resolve_axis_sizes(exp.mesh.axis_sizes(), jax.device_count())["context"]
+  transform = program_lib.batch_transform(exp, context)
   if split == "train":
     return loader.make_iterator(
         phase=exp.phase, source=d.source, tokenizer=tokenizer, seq_len=d.seq_len,
         global_batch_size=d.global_batch_size, seed=d.seed, split="train",
         text_field=d.text_field, sft_train_on=d.sft_train_on, read_threads=d.read_threads,
-        num_workers=d.num_workers)
+        num_workers=d.num_workers, min_doc_tokens=d.min_doc_tokens, batch_transform=transform)
   return loader.make_iterator(
       phase=exp.phase, source=d.eval_source or d.source, tokenizer=tokenizer, seq_len=d.seq_len,
-      global_batch_size=d.global_batch_size, seed=d.seed, split="heldout", num_epochs=None)
+      global_batch_size=d.global_batch_size, seed=d.seed, split="heldout", num_epochs=None,
+      min_doc_tokens=d.min_doc_tokens, batch_transform=transform)
 
 
 def report_shardings(program: program_lib.Program) -> None:
@@ -141,9 +146,32 @@ def _load_init_from(exp: ExperimentConfig, program: program_lib.Program,
   params = {**state.params, **restored}
   print(f"init_from {exp.train.init_from}: restored {sorted(restored)}; freshly initialised "
         f"{missing}", flush=True)
+  if exp.train.init_from_optimizer:
+    if missing:
+      raise ValueError(f"config.train.init_from_optimizer: {exp.train.init_from} lacks the "
+                       f"modules {missing}, so it has no optimizer state for them; set "
+                       "init_from_optimizer=False or give a checkpoint with the same modules")
+    with program.context():
+      opt_state = ckpt_lib.restore_opt_state(exp.train.init_from,
+                                             program.abstract_state.opt_state)
+    print(f"init_from {exp.train.init_from}: optimizer state restored (moments kept; the "
+          "learning-rate schedule starts at this run's step 0)", flush=True)
+    return state.replace(params=params, opt_state=restart_schedules(opt_state))
   init_opt = jax.jit(program.optimizer.tx.init, out_shardings=program.state_shardings.opt_state)
   with program.context():
     return state.replace(params=params, opt_state=init_opt(params))
+
+
+def restart_schedules(opt_state):
+  """The optimizer state with every learning-rate schedule's position set back to 0: a new
+  phase runs its own schedule, while Adam's moments and bias-correction count carry over."""
+  def reset(node):
+    if isinstance(node, optax.ScaleByScheduleState):
+      zero = np.zeros(node.count.shape, node.count.dtype)
+      return node._replace(count=jax.device_put(zero, node.count.sharding))
+    return node
+  return jax.tree.map(reset, opt_state,
+                      is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
 
 
 def prepare(exp: ExperimentConfig, workdir: str) -> Run:

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_kernels
 from c2 import optim
 from c2.config import ExperimentConfig
-from c2.data import loader
+from c2.data import loader, zigzag
+from c2.losses import targets as targets_lib
 from c2.losses.lm import LossWeights
 from c2.losses.rl import RLLossWeights
 from c2.model import ROUTER_BIAS
@@ -32,7 +33,9 @@ from c2.train import state as state_lib
 
 BATCH_DTYPES = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                 "loss_mask": jnp.float32, "advantages": jnp.float32, "sampler_logp": jnp.float32,
-                "ref_logp": jnp.float32, "forced_routes": jnp.int32}
+                "ref_logp": jnp.float32, "forced_routes": jnp.int32,
+                **{key: dtype for k in range(1, 9) for key, dtype in zip(
+                    targets_lib.lookahead_keys(k), (jnp.int32, jnp.float32))}}
 # The production matmul precision, pinned so that the trainer and the AOT check lower the same
 # program whatever the process-wide setting (the CPU tests set "highest"; Mosaic kernels reject
 # HIGHEST on bf16 operands).
@@ -73,9 +76,17 @@ def uses_reference(exp: ExperimentConfig) -> bool:
   return exp.phase == "rl" and exp.rl.kl_coef > 0 and exp.rl.kl_placement != "none"
 
 
-def batch_keys(exp: ExperimentConfig) -> tuple[str, ...]:
+def batch_transform(exp: ExperimentConfig, context: int) -> Optional[zigzag.ZigzagTransform]:
+  """The host-side transform of the phase's batches on a mesh with `context` shards: zig-zag
+  rows under latent context parallelism (c2/data/zigzag.py), else None."""
+  return zigzag.transform_for(context=context, context_parallel=exp.model.context_parallel,
+                              phase=exp.phase, mtp_depth=exp.model.mtp_depth)
+
+
+def batch_keys(exp: ExperimentConfig, context: int = 1) -> tuple[str, ...]:
   if exp.phase != "rl":
-    return loader.BATCH_KEYS
+    transform = batch_transform(exp, context)
+    return loader.BATCH_KEYS + (transform.keys() if transform else ())
   keys = loader.BATCH_KEYS + ("advantages", "sampler_logp")
   if uses_reference(exp):
     keys += ("ref_logp",)
@@ -121,7 +132,7 @@ class Program:
 def abstract_batch(exp: ExperimentConfig, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   b, t = exp.data.global_batch_size, exp.data.seq_len
   out = {}
-  for key in batch_keys(exp):
+  for key in batch_keys(exp, mesh.shape["context"]):
     shape = ((exp.model.num_moe_layers, b, t, exp.model.experts_per_token)
              if key == "forced_routes" else (b, t))
     sharding = loader.batch_sharding(mesh, shape, loader.batch_axis_names(key, len(shape)))
