@@ -64,6 +64,19 @@ def scores(q_, k_, mask, scale):
   return jnp.where(mask, s, _MASK_VALUE)
 
 
+def online_softmax_step(state, q_, k_, v_, mask, scale):
+  """One key block folded into a query block's running softmax: state (m [B, H, Q] running max,
+  l [B, H, Q] running sum, acc [B, H, Q, J] unnormalised output), all float32. Shared by the
+  context-parallel latent path (c2/ops/context_attention.py)."""
+  m, l, acc = state
+  s = scores(q_, k_, mask, scale)  # [B, H, Q, C]
+  m_new = jnp.maximum(m, s.max(-1))
+  p = jnp.exp(s - m_new[..., None])
+  alpha = jnp.exp(m - m_new)
+  pv = jnp.einsum("BHQC,BCHJ->BHQJ", p.astype(v_.dtype), v_, preferred_element_type=_F32)
+  return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+
 def _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
   """Padded inputs -> (out [B, T, H, J] dtype of v, lse [B, H, T] float32)."""
   b, _, h, _ = q.shape
@@ -78,15 +91,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, bloc
       k_, v_, kv_seg_, kv_idx_ = ys
       mask = block_mask(q_seg_, kv_seg_, q_idx_, kv_idx_, causal)
 
-      def update(carry):
-        m, l, acc = carry
-        s = scores(q_, k_, mask, scale)  # [B, H, Q, C]
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("BHQC,BCHJ->BHQJ", p.astype(v.dtype), v_, preferred_element_type=_F32)
-        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
-
+      update = lambda state: online_softmax_step(state, q_, k_, v_, mask, scale)
       return jax.lax.cond(jnp.any(mask), update, lambda c: c, carry), None
 
     init = (jnp.full((b, h, block_q), _MASK_VALUE, _F32), jnp.zeros((b, h, block_q), _F32),

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from c2.ops.blockwise_attention import block_mask, scores
+from c2.ops.blockwise_attention import block_mask, online_softmax_step, scores
 from c2.ops.splash_attention import KERNEL_OUTPUTS
 from c2.parallel.sharding import logical_to_spec
 
@@ -138,15 +138,7 @@ def _forward(q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, scale, nope_dim,
           q_, q_seg_, q_pos_, m_, l_, acc_ = zs
           mask = block_mask(q_seg_, kv_seg_, q_pos_, kv_pos_, True)
 
-          def update(state):
-            m_, l_, acc_ = state
-            s = scores(q_, k_, mask, scale)  # [B, H, Q, C]
-            m_new = jnp.maximum(m_, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            alpha = jnp.exp(m_ - m_new)
-            pv = jnp.einsum("BHQC,BCHJ->BHQJ", p.astype(v_.dtype), v_,
-                            preferred_element_type=_F32)
-            return m_new, alpha * l_ + p.sum(-1), alpha[..., None] * acc_ + pv
+          update = lambda state: online_softmax_step(state, q_, k_, v_, mask, scale)
 
           return None, jax.lax.cond(jnp.any(mask), update, lambda c: c, (m_, l_, acc_))
 
