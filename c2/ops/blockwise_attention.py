@@ -77,6 +77,25 @@ def online_softmax_step(state, q_, k_, v_, mask, scale):
   return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
 
+def tile_grads(q_, k_, v_, do_, lse_, delta_, mask, scale):
+  """One (query block, key block) tile of the flash backward from the saved log-sum-exp and
+  delta = <dO, O>: -> float32 (dq [B, Q, H, K], dk [B, C, H, K], dv [B, C, H, J]); zeros without
+  computing anything when the tile's mask is empty. Shared by the context-parallel latent path."""
+
+  def grads(_):
+    p = jnp.exp(scores(q_, k_, mask, scale) - lse_[..., None])  # [B, H, Q, C]
+    dv = jnp.einsum("BHQC,BQHJ->BCHJ", p.astype(do_.dtype), do_, preferred_element_type=_F32)
+    dp = jnp.einsum("BQHJ,BCHJ->BHQC", do_, v_, preferred_element_type=_F32)
+    ds = p * (dp - delta_[..., None])
+    dq = jnp.einsum("BHQC,BCHK->BQHK", ds.astype(k_.dtype), k_, preferred_element_type=_F32)
+    dk = jnp.einsum("BHQC,BQHK->BCHK", ds.astype(q_.dtype), q_, preferred_element_type=_F32)
+    return dq * scale, dk * scale, dv
+
+  zeros = lambda _: (jnp.zeros(q_.shape, _F32), jnp.zeros(k_.shape, _F32),
+                     jnp.zeros(v_.shape, _F32))
+  return jax.lax.cond(jnp.any(mask), grads, zeros, None)
+
+
 def _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
   """Padded inputs -> (out [B, T, H, J] dtype of v, lse [B, H, T] float32)."""
   b, _, h, _ = q.shape
@@ -138,19 +157,7 @@ def _flash_bwd(scale, causal, block_q, block_kv, residuals, d_out):
     def q_block(carry, ys):
       q_, do_, lse_, delta_, q_seg_, q_idx_ = ys
       mask = block_mask(q_seg_, kv_seg_, q_idx_, kv_idx_, causal)
-
-      def grads(_):
-        p = jnp.exp(scores(q_, k_, mask, scale) - lse_[..., None])  # [B, H, Q, C]
-        dv = jnp.einsum("BHQC,BQHJ->BCHJ", p.astype(do_.dtype), do_, preferred_element_type=_F32)
-        dp = jnp.einsum("BQHJ,BCHJ->BHQC", do_, v_, preferred_element_type=_F32)
-        ds = p * (dp - delta_[..., None])
-        dq = jnp.einsum("BHQC,BCHK->BQHK", ds.astype(k_.dtype), k_, preferred_element_type=_F32)
-        dk = jnp.einsum("BHQC,BQHK->BCHK", ds.astype(q_.dtype), q_, preferred_element_type=_F32)
-        return dq * scale, dk * scale, dv
-
-      zeros = lambda _: (jnp.zeros(q_.shape, _F32), jnp.zeros(k_.shape, _F32),
-                         jnp.zeros(v_.shape, _F32))
-      dq, dk, dv = jax.lax.cond(jnp.any(mask), grads, zeros, None)
+      dq, dk, dv = tile_grads(q_, k_, v_, do_, lse_, delta_, mask, scale)
       return (carry[0] + dk, carry[1] + dv), dq
 
     init = (jnp.zeros(k_.shape, _F32), jnp.zeros(v_.shape, _F32))

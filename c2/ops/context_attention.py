@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from c2.ops.blockwise_attention import block_mask, online_softmax_step, scores
+from c2.ops.blockwise_attention import block_mask, online_softmax_step, tile_grads
 from c2.ops.splash_attention import KERNEL_OUTPUTS
 from c2.parallel.sharding import logical_to_spec
 
@@ -203,22 +203,7 @@ def _latent_flash_bwd(scale, nope_dim, chunk, block_q, block_kv, residuals, d_ou
         def q_block(kv_acc, zs):
           q_, do_, q_seg_, q_pos_, lse_, delta_ = zs
           mask = block_mask(q_seg_, kv_seg_, q_pos_, kv_pos_, True)
-
-          def grads(_):
-            p = jnp.exp(scores(q_, k_, mask, scale) - lse_[..., None])  # [B, H, Q, C]
-            dv = jnp.einsum("BHQC,BQHJ->BCHJ", p.astype(do_.dtype), do_,
-                            preferred_element_type=_F32)
-            dp = jnp.einsum("BQHJ,BCHJ->BHQC", do_, v_, preferred_element_type=_F32)
-            ds = p * (dp - delta_[..., None])
-            dq = jnp.einsum("BHQC,BCHK->BQHK", ds.astype(k_.dtype), k_,
-                            preferred_element_type=_F32)
-            dk = jnp.einsum("BHQC,BQHK->BCHK", ds.astype(q_.dtype), q_,
-                            preferred_element_type=_F32)
-            return dq * scale, dk * scale, dv
-
-          zeros = lambda _: (jnp.zeros(q_.shape, _F32), jnp.zeros(k_.shape, _F32),
-                             jnp.zeros(v_.shape, _F32))
-          dq, dk, dv = jax.lax.cond(jnp.any(mask), grads, zeros, None)
+          dq, dk, dv = tile_grads(q_, k_, v_, do_, lse_, delta_, mask, scale)
           return (kv_acc[0] + dk, kv_acc[1] + dv), dq
 
         init = (jnp.zeros(k_.shape, _F32), jnp.zeros(v_.shape, _F32))

@@ -89,11 +89,7 @@ def restore_params_subset(directory: str, abstract_params: Any,
   if not _is_remote(directory) and os.path.exists(os.path.join(directory, "model_config.json")):
     params_dir, step = os.path.join(directory, "params"), 0  # c2.hf.convert output
   else:
-    manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
-    step = manager.latest_step() if step is None else step
-    manager.close()
-    if step is None:
-      raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+    step = _init_from_step(directory, step)
     params_dir = os.path.join(directory, str(step), "params")
   # The params item on its own, read with a plain PyTree checkpointer: its metadata names the
   # saved top-level modules, and a partial restore reads only those.
@@ -109,6 +105,16 @@ def restore_params_subset(directory: str, abstract_params: Any,
   return dict(restored), missing
 
 
+def _init_from_step(directory: str, step: Optional[int]) -> int:
+  """`step`, or the latest checkpoint step of the workdir checkpoint `directory`."""
+  manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
+  step = manager.latest_step() if step is None else step
+  manager.close()
+  if step is None:
+    raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+  return step
+
+
 def restore_opt_state(directory: str, abstract_opt_state: Any, step: Optional[int] = None) -> Any:
   """The optimizer state of a c2 workdir checkpoint, read into `abstract_opt_state`'s shardings
   (`train.init_from_optimizer`: a new phase continuing the previous phase's moments).
@@ -122,11 +128,7 @@ def restore_opt_state(directory: str, abstract_opt_state: Any, step: Optional[in
     raise ValueError(f"config.train.init_from={directory!r} holds model weights only; "
                      "init_from_optimizer needs a c2 training checkpoint (workdir/ckpt)")
   directory = directory if _is_remote(directory) else os.path.abspath(directory)
-  manager = ocp.CheckpointManager(directory, item_names=("params", "opt_state", "meta"))
-  step = manager.latest_step() if step is None else step
-  manager.close()
-  if step is None:
-    raise FileNotFoundError(f"config.train.init_from={directory!r}: no checkpoint found there")
+  step = _init_from_step(directory, step)
   opt_dir = os.path.join(directory, str(step), "opt_state")
   checkpointer = ocp.PyTreeCheckpointer()
   try:
