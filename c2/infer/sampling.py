@@ -63,7 +63,7 @@ def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
   # The vocabulary sort is most of a small model's decode step on CPU: only when a row truncates.
   truncated = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate,
                            lambda scaled, top_k, top_p: scaled, scaled, top_k, top_p)
-  point_mass = jnp.where(jnp.arange(logits.shape[-1])[None, :] == jnp.argmax(logits, -1)[:, None],
+  point_mass = jnp.where(jnp.arange(logits.shape[-1])[None, :] == argmax(logits)[:, None],
                          0.0, NEG_INF)
   return jnp.where(greedy[:, None], point_mass, jax.nn.log_softmax(truncated, axis=-1))
 
@@ -88,6 +88,15 @@ def reported_logprobs(logits: jax.Array, dist: jax.Array, temperature: jax.Array
                    dist)
 
 
+def argmax(values: jax.Array) -> jax.Array:
+  """values [B, V] -> int32 [B]: the first index of each row's maximum, as jnp.argmax (rows
+  without NaN). A max and a min over the vocabulary: jnp.argmax's (value, index) pair reduction
+  measured 3-4x slower on XLA:CPU at [16, 4096] (217 vs 60 us), a tenth of a decode step."""
+  v = values.shape[-1]
+  top = jnp.max(values, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(values == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+
+
 def row_keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
   """A key per row from (seed [B], position [B] of the token being drawn, stream)."""
   def one(seed, position):
@@ -100,7 +109,7 @@ def row_keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
 def draw(dist: jax.Array, keys: jax.Array) -> jax.Array:
   """One token per row from log-probs [B, V] (Gumbel-max) -> int32 [B]."""
   gumbel = jax.vmap(lambda key: jax.random.gumbel(key, dist.shape[-1:], jnp.float32))(keys)
-  return jnp.argmax(dist + gumbel, axis=-1).astype(jnp.int32)
+  return argmax(dist + gumbel)
 
 
 def draw_tokens(dist: jax.Array, temperature: jax.Array, seeds: jax.Array, positions: jax.Array,
@@ -108,5 +117,5 @@ def draw_tokens(dist: jax.Array, temperature: jax.Array, seeds: jax.Array, posit
   """`draw` with each row's key; an all-greedy batch skips the Gumbel noise (its point masses
   give the same argmax)."""
   return jax.lax.cond(
-      jnp.all(temperature <= 0), lambda: jnp.argmax(dist, axis=-1).astype(jnp.int32),
+      jnp.all(temperature <= 0), lambda: argmax(dist),
       lambda: draw(dist, row_keys(seeds, positions, stream)))

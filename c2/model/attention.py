@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from c2.model.config import YarnScaling
-from c2.model.latent_cache import LayerCacheView, absorbed_attention
+from c2.model.latent_cache import LayerCacheView, absorbed_attention, write_entries
 from c2.model.layers import RMSNorm, default_init, logical_param
 from c2.model.rope import apply_rotary, rotary_angles
 from c2.ops import context_attention as cp_lib
@@ -64,7 +64,8 @@ class MLAttention(nn.Module):
                cache: Optional[LayerCacheView] = None):
     """x [B, T, D], segment_ids [B, T] (0 = padding), positions [B, T] -> [B, T, D].
 
-    With a cache: -> ([B, T, D], new entries [B, T, L + R] = [c_kv | rotated k_rope]).
+    With a cache: -> ([B, T, D], {"kv_entries": [B, T, L + R] = [c_kv | rotated k_rope]}), or
+    {"kv_layer": the view's cache with them written} when the view is write-through.
     """
     d = x.shape[-1]
     h, n, r, j, l = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
@@ -103,14 +104,19 @@ class MLAttention(nn.Module):
     q_rope = apply_rotary(q_rope, cos, sin)  # [B, T, H, R]
 
     if cache is not None:
+      entries = jnp.concatenate([c_kv, k_rope], axis=-1)  # [B, T, L + R]
+      stored = {"kv_entries": entries}
+      if cache.write_through:
+        kv = write_entries(cache.kv[None], None, cache.lengths, entries[None],
+                           segment_ids != 0)[0]
+        cache, stored = cache.replace(kv=kv), {"kv_layer": kv}
       out = absorbed_attention(q_nope, q_rope, c_kv, k_rope, kv_b, cache,
                                scale=self.softmax_scale, new_valid=segment_ids != 0)
       b, t, h, j = out.shape
       # One [B*T, H*J] x [H*J, D] product: the two-axis contraction as an einsum measured ~3x
       # slower on XLA:CPU at decode shapes.
       y = jnp.dot(out.reshape(b, t, h * j), w_out.reshape(h * j, -1))  # [B, T, D]
-      return (constrain(y, ("batch", "length", "act_embed")),
-              jnp.concatenate([c_kv, k_rope], axis=-1))  # [B, T, L + R]
+      return constrain(y, ("batch", "length", "act_embed")), stored
 
     q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, H, K]
     if latent_cp:

@@ -35,7 +35,8 @@ class DecoderBlock(nn.Module):
                forced_routes: Optional[jax.Array] = None,
                cache: Optional[LayerCacheView] = None) -> tuple[jax.Array, dict]:
     """x [B, T, D] -> (x [B, T, D], aux); aux is {} for dense blocks (see `MoE`). With a cache
-    (decoding) aux also holds `kv_entries` [B, T, L + R], the new tokens' cache entries."""
+    (decoding) aux also holds `kv_entries` [B, T, L + R], the new tokens' cache entries, or
+    `kv_layer`, the view's cache with them written (a write-through view)."""
     cfg = self.cfg
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     attn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="attn_norm")(x)
@@ -48,7 +49,7 @@ class DecoderBlock(nn.Module):
         param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions, cache)
     cache_aux = {}
     if cache is not None:
-      attn_out, cache_aux["kv_entries"] = attn_out
+      attn_out, cache_aux = attn_out
     x = x + attn_out
     ffn_in = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="ffn_norm")(x)
     if not self.use_moe:
@@ -166,19 +167,24 @@ class BlockStack(nn.Module):
       view = None
       if cache is not None:  # a stack [Y, slots, S, C] or one array per layer (c2/infer/cache.py)
         stack, rows, lengths = cache
-        view = LayerCacheView(stack[i] if rows is None else stack[i][rows], lengths)
+        own_array = isinstance(stack, (tuple, list)) and rows is None
+        view = LayerCacheView(stack[i] if rows is None else stack[i][rows], lengths,
+                              write_through=own_array)
       layer_routes = None if forced_routes is None else forced_routes[i]
       x, aux = block(self.cfg, self.use_moe, self.replay_fallback, name=f"layer_{i}")(
           x, segment_ids, positions, layer_routes, view)
       auxes.append(aux)
-    entries = [aux.pop("kv_entries") for aux in auxes] if cache is not None else None
+    stored = None if cache is None else [
+        aux.pop("kv_layer") if "kv_layer" in aux else aux.pop("kv_entries") for aux in auxes]
     aux = jax.tree.map(lambda *layers: jnp.stack(layers), *auxes)  # stacked as the scan's
     if cache is None:
       return x, aux
     valid = segment_ids != 0
-    if isinstance(stack, (tuple, list)):  # per-layer arrays, each written in place
+    if own_array:  # each layer wrote its own array
+      stack = tuple(stored)
+    elif isinstance(stack, (tuple, list)):  # per-layer arrays, each written in place
       stack = tuple(write_entries(layer[None], rows, lengths, new[None], valid)[0]
-                    for layer, new in zip(stack, entries))
+                    for layer, new in zip(stack, stored))
     else:
-      stack = write_entries(stack, rows, lengths, jnp.stack(entries), valid)
+      stack = write_entries(stack, rows, lengths, jnp.stack(stored), valid)
     return x, {**aux, "kv_cache": stack}

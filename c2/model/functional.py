@@ -110,11 +110,16 @@ def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Arra
   module_params = params[f"mtp_{depth}"]
   embeddings = Embed(cfg.vocab_size, cfg.hidden_size, jnp.dtype(cfg.dtype),
                      jnp.dtype(cfg.param_dtype)).apply({"params": params["embed"]}, next_tokens)
-  view = LayerCacheView(read_rows(stack, depth, rows), lengths)
+  # Every slot (decoding): the module writes its entries before reading (in place, see
+  # LayerCacheView.write_through); a subset of rows is a gathered copy, scattered back after.
+  view = LayerCacheView(read_rows(stack, depth, rows), lengths, write_through=rows is None)
   h, hidden, aux = MTPModule(cfg).apply({"params": module_params}, prev_hidden, embeddings,
                                         segment_ids, positions, view)
-  layer = jax.lax.dynamic_slice_in_dim(stack, depth, 1, axis=0)
-  layer = write_entries(layer, rows, lengths, aux.pop("kv_entries")[None], segment_ids != 0)
+  if rows is None:
+    layer = aux.pop("kv_layer")[None]
+  else:
+    layer = jax.lax.dynamic_slice_in_dim(stack, depth, 1, axis=0)
+    layer = write_entries(layer, rows, lengths, aux.pop("kv_entries")[None], segment_ids != 0)
   stack = jax.lax.dynamic_update_slice_in_dim(stack, layer, depth, axis=0)
   return {"h": h, "hidden": hidden, "kv_cache": stack, "aux": aux}
 

@@ -14,9 +14,10 @@ output instead (algorithms.md 4.2):
 which is the expanded form's function reassociated.
 
 A call attends over two key sets with one softmax: the row's cached tokens (positions below
-`lengths`) and the call's own new tokens (causal among themselves). The new entries are returned,
-not written: the caller scatters every layer's entries into the stack at once, after the layer
-scan, so the cache is only read inside the scan and updated in place outside it.
+`lengths`) and the call's own new tokens (causal among themselves). Under a layer scan the new
+entries are returned, not written: the caller scatters every layer's entries into the stack at
+once, after the scan, so the cache is only read inside the scan and updated in place outside it.
+With one array per layer the layer writes its own first (`LayerCacheView.write_through`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ class LayerCacheView:
 
   kv: jax.Array  # [B, S, C] cached [c_kv | k_rope] of earlier tokens
   lengths: jax.Array  # [B] int32: tokens already cached per row; new token t sits at lengths + t
+  # The layer writes its new entries into `kv` before reading it and returns the written array
+  # (aux "kv_layer") instead of the entries ("kv_entries"). For a layer's own array of every
+  # slot (decoding, layers unrolled): the reads then depend on the write, so XLA updates the
+  # donated cache in place, where a scatter after the layer (reads and write unordered) made
+  # XLA:CPU copy that layer's whole cache twice per step. Reading the written array is exact:
+  # the cached key set is masked to positions below `lengths`, and writes land at or after it.
+  write_through: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Array,

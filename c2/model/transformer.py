@@ -35,7 +35,8 @@ class MTPModule(nn.Module):
   def __call__(self, prev_hidden, next_embeddings, segment_ids, positions, cache=None):
     """prev_hidden, next_embeddings [B, T, D] -> (h [B, T, D] pre-norm, normed hidden, aux).
 
-    cache: None or a LayerCacheView (decoding); aux then holds the new `kv_entries`."""
+    cache: None or a LayerCacheView (decoding); aux then holds the new `kv_entries` (or the
+    written `kv_layer`, for a write-through view)."""
     cfg = self.cfg
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)

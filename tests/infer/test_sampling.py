@@ -43,6 +43,16 @@ def test_sampling_logprobs_closed_form(temperature, top_k, top_p):
                                atol=1e-6)
 
 
+def test_argmax_takes_the_first_maximum_like_numpy():
+  rng = np.random.RandomState(2)
+  values = rng.randint(0, 4, (64, 33)).astype(np.float32)  # small range: ties in every row
+  values[3] = -np.inf
+  values[4, 5] = np.inf
+  got = np.asarray(sampling.argmax(jnp.asarray(values)))
+  np.testing.assert_array_equal(got, np.argmax(values, axis=-1))
+  assert got.dtype == np.int32
+
+
 def test_rows_keep_their_own_settings_and_greedy_reports_model_logprobs():
   logits = jnp.asarray(np.random.RandomState(1).randn(2, 8).astype(np.float32))
   temperature = jnp.array([0.0, 1.0])
