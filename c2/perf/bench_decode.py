@@ -4,8 +4,9 @@
   python -m c2.bench decode                         # random init of --preset: throughput only
 
 Every figure is a ratio of two runs in this process on the same weights (CPU timings are noisy:
-read the ratios; each side is the best of --repeats timed runs after an untimed warm-up, so
-compile time is excluded). Computation is float32 throughout. Prompts are windows of held-out
+read the ratios; each side is the best of --repeats timed runs, the two sides' runs interleaved,
+after an untimed warm-up, so compile time is excluded). Batch 1 serves --serial-prompts (8)
+prompts one after another; batch 16 one batch of 16. Computation is float32 throughout. Prompts are windows of held-out
 code (stdlib files of the `heldout` split, c2/data/stdlib_corpus.py: never trained on).
   1. c2 vs transformers: Engine greedy decoding vs `DeepseekV3ForCausalLM.generate` (greedy,
      float32 torch, the weights exported by c2.hf) at batch 1 and 16. The token sequences must
@@ -92,17 +93,19 @@ jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 RECOMPILES = [0]  # compilations inside timed runs (after their warm-up): must stay 0
 
 
-def _timed(fn, repeats: int, warmup=None):
-  """(best seconds of `repeats` calls, last result), after one untimed warm-up call (of `warmup`
-  when given: a shorter run that still compiles or loads everything)."""
-  (warmup or fn)()
-  best, result, before = float("inf"), None, _COMPILES[0]
+def _timed_pair(fn_a, fn_b, repeats: int):
+  """([best seconds of fn_a, of fn_b], [their last results]) over `repeats` timed calls each,
+  after one untimed warm-up call of each. The runs are interleaved (a, b, a, b, ...), so that a
+  slow stretch of a shared machine lands on both sides of the ratio."""
+  fn_a(), fn_b()
+  best, results, before = [float("inf")] * 2, [None, None], _COMPILES[0]
   for _ in range(repeats):
-    start = time.perf_counter()
-    result = fn()
-    best = min(best, time.perf_counter() - start)
+    for i, fn in enumerate((fn_a, fn_b)):
+      start = time.perf_counter()
+      results[i] = fn()
+      best[i] = min(best[i], time.perf_counter() - start)
   RECOMPILES[0] += _COMPILES[0] - before
-  return best, result
+  return best, results
 
 
 def make_engine(cfg: ModelConfig, params, slots: int, capacity: int, draft_depth: int = 0,
@@ -128,25 +131,32 @@ def load_hf(cfg: ModelConfig, params, directory: str):
 
 def vs_transformers(engine: Engine, hf_model, prompts: Sequence[Sequence[int]], new_tokens: int,
                     repeats: int = 1) -> dict:
-  """Greedy decoding of one batch (len(prompts) rows, equal lengths) by both; tokens/s of each
-  and the number of identical sequences."""
+  """Greedy decoding of the prompts (equal lengths) in batches of engine.slots rows, one batch
+  after another, by both; tokens/s of each and the number of identical sequences."""
   import torch  # pylint: disable=import-outside-toplevel
-  ids = torch.tensor(np.asarray(prompts, np.int64))
+  b = engine.slots
+  batches = [torch.tensor(np.asarray(prompts[i:i + b], np.int64))
+             for i in range(0, len(prompts), b)]
 
   def hf_generate(n=new_tokens):
+    outs = []
     with torch.no_grad():
-      out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-    return out[:, ids.shape[1]:].numpy()
+      for ids in batches:
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+        outs += out[:, ids.shape[1]:].tolist()
+    return outs
 
+  # Requests beyond the slots queue: the engine serves them as slots free (b rows at a time).
   c2_generate = lambda: [r.token_ids for r in engine.generate(_requests(prompts, new_tokens))]
-  hf_seconds, hf_tokens = _timed(hf_generate, repeats, warmup=lambda: hf_generate(2))
-  c2_seconds, c2_tokens = _timed(c2_generate, repeats)
+  hf_generate(2)  # loads and warms torch's kernels on a short run
+  (hf_seconds, c2_seconds), (hf_tokens, c2_tokens) = _timed_pair(hf_generate, c2_generate,
+                                                                 repeats)
   total = len(prompts) * new_tokens
   return {"c2_tps": total / c2_seconds, "hf_tps": total / hf_seconds,
           "ratio": hf_seconds / c2_seconds, "total": len(prompts),
-          "matching": sum(list(a) == b for a, b in zip(hf_tokens.tolist(), c2_tokens))}
+          "matching": sum(list(a) == b for a, b in zip(hf_tokens, c2_tokens))}
 
 
 # -------------------------------------------------------------------------- 2. speculative
@@ -156,9 +166,9 @@ def speculative(plain: Engine, spec: Engine, prompts, new_tokens: int, temperatu
                 repeats: int = 1) -> dict:
   """Tokens/s of `spec` over `plain` on the same requests, and the first draft's acceptance."""
   requests = lambda: _requests(prompts, new_tokens, temperature)
-  plain_seconds, _ = _timed(lambda: plain.generate(requests()), repeats)
   spec.stats.clear()
-  spec_seconds, results = _timed(lambda: spec.generate(requests()), repeats)
+  (plain_seconds, spec_seconds), (_, results) = _timed_pair(
+      lambda: plain.generate(requests()), lambda: spec.generate(requests()), repeats)
   runs = repeats + 1  # the stats also count the warm-up run
   tokens = sum(len(r.token_ids) for r in results)
   stats = {k: v / runs for k, v in spec.stats.items()}
@@ -175,9 +185,9 @@ def batching(engine: Engine, prompts, new_tokens: Sequence[int], repeats: int = 
   """Tokens/s of all requests submitted at once over groups of `engine.slots` run in turn."""
   requests = lambda: _requests(prompts, new_tokens, temperature=1.0)
   groups = lambda r: [r[i:i + engine.slots] for i in range(0, len(r), engine.slots)]
-  static_seconds, static = _timed(
-      lambda: [x for g in groups(requests()) for x in engine.generate(g)], repeats)
-  continuous_seconds, continuous = _timed(lambda: engine.generate(requests()), repeats)
+  (static_seconds, continuous_seconds), (static, continuous) = _timed_pair(
+      lambda: [x for g in groups(requests()) for x in engine.generate(g)],
+      lambda: engine.generate(requests()), repeats)
   tokens = sum(len(r.token_ids) for r in continuous)
   return {"static_tps": tokens / static_seconds, "continuous_tps": tokens / continuous_seconds,
           "ratio": static_seconds / continuous_seconds, "total": len(prompts),
@@ -199,6 +209,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--requests", type=int, default=32, help="for continuous vs static")
   parser.add_argument("--slots", type=int, default=8, help="for continuous vs static")
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--serial-prompts", type=int, default=8, help=(
+      "prompts served one after another at batch 1 (acceptance over one 96-token sequence is "
+      "too noisy to read)"))
   parser.add_argument("--skip", default="", help="comma-separated: hf,speculative,batching")
   args = parser.parse_args(argv)
   RECOMPILES[0] = 0
@@ -215,8 +228,10 @@ def main(argv: list[str]) -> int:
     source = f"random init of {args.preset}: acceptance figures are meaningless"
   print(f"backend {jax.default_backend()}  model {source}  float32  prompts "
         f"{args.prompt_tokens} tokens of held-out code  new tokens {args.new_tokens}")
-  prompts = heldout_prompts(tokenizer, max(batches + [args.requests]), args.prompt_tokens,
-                            cfg.vocab_size)
+  prompts = heldout_prompts(tokenizer, max(batches + [args.requests, args.serial_prompts]),
+                            args.prompt_tokens, cfg.vocab_size)
+  # Batch 1 serves --serial-prompts requests in turn; a larger batch serves one batch of them.
+  batch_prompts = lambda b: prompts[:args.serial_prompts if b == 1 else b]
   capacity = args.prompt_tokens + max(args.new_tokens, 128) + max(depths + [0]) + 1
   failed = []
 
@@ -240,7 +255,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as directory:
       hf_model = load_hf(cfg, params, directory)
       for b in batches:
-        r = vs_transformers(engine(b), hf_model, prompts[:b], args.new_tokens, args.repeats)
+        r = vs_transformers(engine(b), hf_model, batch_prompts(b), args.new_tokens,
+                            args.repeats)
         if r["matching"] != r["total"]:
           failed.append(f"batch {b}: {r['total'] - r['matching']} sequences differ from transformers")
         print(f"{b:>6}{r['c2_tps']:>11.1f}{r['hf_tps']:>11.1f}{r['ratio']:>8.2f}"
@@ -254,8 +270,8 @@ def main(argv: list[str]) -> int:
     for b in batches:
       for d in depths:
         for temperature in (0.0, 1.0):
-          r = speculative(engine(b), engine(b, d), prompts[:b], args.new_tokens, temperature,
-                          args.repeats)
+          r = speculative(engine(b), engine(b, d), batch_prompts(b), args.new_tokens,
+                          temperature, args.repeats)
           second = f"{r['acceptance_2']:>10.2f}" if d > 1 else f"{'-':>10}"
           targets = (check(f"acceptance b{b} d{d} t{temperature:g}", r["acceptance"],
                            TARGETS.get(f"acceptance_b{b}"), bool(args.workdir)) +
