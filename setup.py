@@ -39,7 +39,9 @@ setup(
         # `python -m c2.eval` figures (PNG/SVG) and train.eval_suites.
         "evals": [MATPLOTLIB],
         # Test-time numerics references and Hugging Face checkpoint import/export.
-        "hf": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
+        # compressed-tensors: transformers reads INT4 (pack-quantized) exports through it.
+        "hf": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0",
+               "compressed-tensors==0.20.1"],
         # libtpu for TPU runs and for AOT compilation to TPU topologies from a CPU host.
         "tpu": ["jax[tpu]==0.10.2"],
         # gs:// data paths through etils.epath.

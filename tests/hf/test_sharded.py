@@ -206,6 +206,51 @@ def test_sharded_export_loads_in_transformers(tmp_path):
   assert np.abs(ours - theirs).max() <= test_hf.TOL
 
 
+def test_int4_export_loads_in_transformers(tmp_path):
+  """The INT4 export (the release's compressed-tensors pack-quantized experts) read by transformers
+  through the compressed-tensors library, an independent decoder of the format: its experts
+  equal our dequantised ones at the precision it keeps them in (the scales' bf16), and its logits
+  equal ours with the experts at that precision."""
+  transformers = pytest.importorskip("transformers")
+  pytest.importorskip("compressed_tensors")
+  import torch  # pylint: disable=import-outside-toplevel
+  from tests.hf import test_hf  # pylint: disable=import-outside-toplevel
+  m = test_hf._torch_model("k25_yarn_grouped")  # pylint: disable=protected-access
+  m.save_pretrained(tmp_path / "src", safe_serialization=True)
+  cfg, params = hf.import_checkpoint(str(tmp_path / "src"), dtype=np.float32)
+  hf.export_checkpoint(cfg, params, str(tmp_path / "int4"), dtype="float32",
+                       quantize_experts=True)
+  _, ours = hf.import_checkpoint(str(tmp_path / "int4"), dtype=np.float32)  # dequantised, f32
+  reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(
+      str(tmp_path / "int4"), attn_implementation="eager", dtype="float32").eval()
+  theirs = {k: v.detach().float().numpy() for k, v in reloaded.state_dict().items()}
+  # Our layout: moe stack [layers, E, D, F]; transformers' fused [E, 2F, D] (gate rows first).
+  moe = ours["moe_layers"]["block"]["moe"]
+  to_bf16 = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+  f = moe["gate"].shape[-1]
+  for i in range(moe["gate"].shape[0]):
+    hf_layer = i + cfg.first_k_dense
+    fused = theirs[f"model.layers.{hf_layer}.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(fused[:, :f], to_bf16(moe["gate"][i]).transpose(0, 2, 1))
+    np.testing.assert_array_equal(fused[:, f:], to_bf16(moe["up"][i]).transpose(0, 2, 1))
+    np.testing.assert_array_equal(theirs[f"model.layers.{hf_layer}.mlp.experts.down_proj"],
+                                  to_bf16(moe["down"][i]).transpose(0, 2, 1))
+  at_bf16 = {**ours, "moe_layers": jax.tree.map(lambda x: x, ours["moe_layers"])}
+  at_bf16["moe_layers"]["block"]["moe"] = {
+      **moe, **{k: to_bf16(moe[k]) for k in ("gate", "up", "down")}}
+  for weight in reloaded.parameters():  # the bf16 experts' values, computed in float32 like ours
+    weight.data = weight.data.float()  # (a quantized model refuses .float())
+  tokens = test_hf._tokens(seed=7)  # pylint: disable=protected-access
+  logits = lambda p: np.asarray(jax.jit(
+      lambda p, t: model.logits(cfg.replace(remat_policy="none"), p, t))(p, tokens))
+  with torch.no_grad():
+    hf_logits = reloaded(torch.tensor(tokens)).logits.numpy()
+  error = np.abs(logits(at_bf16) - hf_logits).max()
+  print(f"INT4 export -> transformers: |ours - transformers| = {error:.2e} (experts at bf16), "
+        f"{np.abs(logits(ours) - hf_logits).max():.2e} (ours at float32)")
+  assert error <= test_hf.TOL
+
+
 @pytest.mark.slow
 def test_two_processes_and_peak_rss_on_a_synthetic_k25_checkpoint(tmp_path):
   """c2/perf/bench_hf_import.py at 0.1 GB (8 experts): one process on 8 devices and two processes on 4 each
