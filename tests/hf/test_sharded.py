@@ -275,6 +275,16 @@ def test_two_processes_and_peak_rss_on_a_synthetic_k25_checkpoint(tmp_path):
   # experts dequantised; the float32 router rounded by the bf16 import; its bias kept float32).
   source, exported = TensorStore(ckpt), TensorStore(str(tmp_path / "exported"))
   source.int4_group = 32
+  # Its memory: the import's peak + the largest tensor twice (gathered, then cast for the file) +
+  # replicas of one 8 MB row block on the 4 local devices (float32 on CPU, a few buffers each) +
+  # 0.5 GB for XLA's collectives runtime and programs (measured 0.45). Slicing sharded leaves
+  # through the partitioner instead gathered whole leaves: 1.77 GB here.
+  largest = max(exported.read(name).nbytes for name in exported.names())
+  for stats in two:
+    bound = stats["peak_rss"] + 2 * largest + 24 * (8 << 20) + (512 << 20)
+    print(f"process {stats['process']}: export peak RSS {stats['export_peak_rss'] / 1e9:.2f} GB, "
+          f"bound {bound / 1e9:.2f} GB, {stats['export_seconds']:.1f} s")
+    assert stats["export_peak_rss"] <= bound
   for name in exported.names():
     if ".layers.6." in name and name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
       continue  # the MTP layer's copies of the shared embedding / head (not in the source)
