@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,19 +55,26 @@ HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple o
 SPLASH_BLOCKS: dict[str, tuple[tuple[Optional[int], int, int, int], ...]] = {
     "default": ((65536, 512, 512, 512), (None, 1024, 1024, 512)),
 }
+# The backward as one kernel (dq accumulated inside the dkv kernel, per kv block, then summed)
+# instead of separate dq and dkv kernels that both recompute the scores and dp.
+FUSED_BACKWARD = False
 
 
-def block_sizes(seq_len: int, generation: Optional[str] = None) -> splash.BlockSizes:
-  """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...)."""
+def block_sizes(seq_len: int, generation: Optional[str] = None,
+                fused_backward: Optional[bool] = None) -> splash.BlockSizes:
+  """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...);
+  fused_backward defaults to FUSED_BACKWARD."""
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
   cap = round_up(seq_len, LANES)
   block_q, block_kv = min(block_q, cap), min(block_kv, cap)
   compute = compute if block_kv % compute == 0 else block_kv
+  fused = FUSED_BACKWARD if fused_backward is None else fused_backward
   return splash.BlockSizes(
       block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
       block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=compute,
-      block_q_dq=block_q, block_kv_dq=block_kv)
+      block_q_dq=None if fused else block_q, block_kv_dq=None if fused else block_kv,
+      use_fused_bwd_kernel=fused)
 
 
 def generation_of(device) -> Optional[str]:
@@ -201,18 +208,24 @@ def causal_block_fraction(seq_len: int, block_q: int, block_kv: int) -> float:
 
 # Matmuls per kernel over the score matrix, in units of (q.k contraction K, p.v contraction J):
 # forward s = q k^T, o = p v; dq recomputes s, dp = do v^T, dq = ds k; dkv recomputes s,
-# dv = p^T do, dp = do v^T, dk = ds^T q.
+# dv = p^T do, dp = do v^T, dk = ds^T q; the fused dkv kernel also makes dq = ds k.
 _SPLASH_MATMULS = {"splash_mha_fwd": (1, 1, ""), "splash_mha_dq": (2, 1, "_dq"),
                    "splash_mha_dkv": (2, 2, "_dkv")}
 
 
-def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str) -> float:
+def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str,
+                        result_shapes: Sequence = ()) -> float:
   """FLOPs of one splash kernel call in compiled HLO (jax's splash declares no cost estimate).
 
   q, k, v are the first three float operands, [..., T, D] with the batch/head dims leading; the
-  causal block fraction uses the kernel's block sizes from its xprof metadata when present.
+  causal block fraction uses the kernel's block sizes from its xprof metadata when present. A
+  dkv kernel with three large float results (dq per kv block, dk, dv) is the fused backward.
   """
   qk_units, pv_units, suffix = next(v for k, v in _SPLASH_MATMULS.items() if kernel.startswith(k))
+  large = [dims for dtype, dims in result_shapes
+           if dtype.startswith(("bf16", "f32", "f16")) and len(dims) >= 3]
+  if kernel.startswith("splash_mha_dkv") and len(large) >= 3:
+    qk_units += 1
   q, k, v = [dims for dtype, dims in operand_shapes if dtype.startswith(("bf16", "f32", "f16"))
              and len(dims) >= 3][:3]
   seq_q, seq_kv = q[-2], k[-2]
@@ -229,5 +242,5 @@ def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str) -> float:
 
 
 hlo_flops.register_kernel_rule(
-    "splash_mha_", lambda kernel, operands, results, attrs: splash_kernel_flops(kernel, operands,
-                                                                                attrs))
+    "splash_mha_", lambda kernel, operands, results, attrs: splash_kernel_flops(
+        kernel, operands, attrs, results))

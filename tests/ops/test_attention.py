@@ -99,16 +99,18 @@ def test_auto_and_validation():
     get_preset("tiny", attention_impl="flash")
 
 
-def test_splash_interpret_on_mesh_matches_reference():
+@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
+def test_splash_interpret_on_mesh_matches_reference(fused):
   """The kernel in the Pallas interpreter, inside shard_map on the fake 8-device CPU mesh
   (batch over fsdp, heads over tensor); T = 200 pads to 256, K 48 -> 128, J 32 -> 128."""
   q, k, v, seg, ct = _inputs(4, 200, 2, 48, 32, [([1, 2, 0], [90, 100, 10]), ([5], [200]),
                                                    ([1, 0], [30, 170]), ([7, 8], [1, 199])])
-  blocks = sa.block_sizes(200)
+  blocks = sa.block_sizes(200, fused_backward=fused)
   assert (blocks.block_q, blocks.block_kv) == (256, 256)  # clipped to T rounded up to 128
+  assert blocks.use_fused_bwd_kernel == fused
   fn = lambda q, k, v: jnp.where(
       (seg != 0)[:, :, None, None],
-      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, interpret=True), 0)
+      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, blocks=blocks, interpret=True), 0)
   with jax.set_mesh(meshlib.make_mesh({"fsdp": 4, "tensor": 2})):
     got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, ct)
   want = jax.jit(lambda *a: _value_and_grads(_reference(seg, 0.25), *a))(q, k, v, ct)

@@ -166,6 +166,13 @@ def test_splash_kernel_rule_counts_each_matmul():
   dkv = splash_attention.splash_kernel_flops("splash_mha_dkv_segmented", operands, "")
   assert fwd == 2 * pairs * (256 + 128)  # default blocks at T=1024 are 512: 3/4 computed
   assert dkv == 2 * pairs * (2 * 256 + 2 * 128)
+  # The fused backward's dkv kernel also returns dq (per kv block): one more q.k-sized matmul.
+  fused_results = [("f32", (2, 2, 4, 1024, 256)), q, v]
+  fused = splash_attention.splash_kernel_flops("splash_mha_dkv_segmented", operands, "",
+                                               fused_results)
+  assert fused == 2 * pairs * (3 * 256 + 2 * 128)
+  assert splash_attention.splash_kernel_flops("splash_mha_dkv_segmented", operands, "",
+                                              [q, v]) == dkv
 
 
 def test_gmm_cost_rows_count_expected_rows_and_boundary_tiles():
