@@ -11,10 +11,11 @@ KIMI_TOKENIZER = "tiktoken:/path/to/kimi/tiktoken.model"
 
 def proxy(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """~30B-A3B at 32k tokens on 64 v5p chips, one 32k row per chip (fsdp8 x expert8): remat of
-  all but the attention kernel's outputs, 58.0 GiB of 95 per device, FLOP ratio 1.52 (full
-  remat: 46.9 GiB, 1.70; 256 rows: 144 GiB, does not fit)."""
+  all but the attention kernel's outputs, and splash's fused backward: 74.4 GiB of 95 per
+  device, FLOP ratio 1.33 (separate dq / dkv kernels: 58.0 GiB, 1.52; full remat: 56.3 GiB, 1.51,
+  or 46.9 GiB, 1.70 unfused; 256 rows: 144 GiB, does not fit)."""
   c.model.preset = "proxy-30b"
-  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention", splash_fused_backward=True)
   c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=64)
   c.mesh.update(fsdp=-1, expert=8)
   # 2,048 tokens per device per loss chunk (ce_chunk_size counts the 64 chips' tokens): measured
@@ -37,9 +38,10 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   The loss projects 2,048 tokens per device per chunk (ce_chunk_size counts the whole pod's
   tokens): 4 chunk steps instead of 4,096, each of which gathered the 2.2 GiB output head and
   reduced its gradient. Measured: collective bytes per device per step 1,236 GiB instead of
-  28,090 GiB, HBM (55.9 GiB) and FLOP ratio unchanged."""
+  28,090 GiB, HBM (55.9 GiB) and FLOP ratio unchanged. Splash's fused backward (one kernel for
+  dq and dkv, c2.ops.splash_attention.block_sizes): 60.7 GiB, FLOP ratio 1.456 (2026-12-04)."""
   c.model.preset = "kimi-k2.5"
-  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention")
+  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention", splash_fused_backward=True)
   c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=1024)
   c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
   c.train.update(max_minutes=None, eval_batches=16, ce_chunk_size=2048 * 4096)
@@ -52,6 +54,7 @@ def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   split over 8 context shards, so a device holds 32k tokens as in phase 1. Not AOT-measured yet;
   tune here."""
   proxy(c)
+  c.model.splash_fused_backward = False  # dq per kv block grows as T^2 (block_sizes)
   c.data.update(seq_len=262144, global_batch_size=8)
   c.mesh.update(fsdp=-1, expert=8, context=8)
   return c
@@ -60,10 +63,12 @@ def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def full_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The full model at 262144 tokens (phase 2): phase 1's tokens per step (128 x 256k = 1024 x
   32k) on the same 4096 chips, each row over 32 context shards (fsdp 8 x expert 16 x context
-  32), so a device holds 8k tokens as in `full`. Not AOT-measured yet: on the 2-core, 24 GiB
-  dev host the compile (Ulysses path, save_wide_dots) was killed by the host's OOM killer at
-  13.6 GiB of compiler memory after 20 CPU-minutes; measure on a bigger host. Tune here."""
+  32), so a device holds 8k tokens as in `full`. Measured (AOT, 2026-12-04, Ulysses path):
+  59.3 of 95 GiB per device, FLOP ratio 1.801 (splash 87% of the FLOPs), 1,242 GiB of
+  collectives per device per step, compile 472 s at 17.1 GB of host memory; the latent
+  all-gather path does not fit (357 GiB of temporaries). Tune here."""
   full(c)
+  c.model.splash_fused_backward = False  # dq per kv block grows as T^2 (block_sizes)
   c.data.update(seq_len=262144, global_batch_size=128)
   c.mesh.update(fsdp=-1, expert=16, tensor=1, context=32)
   return c

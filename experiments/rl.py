@@ -66,7 +66,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
                 task_levels="1,2,3,4,5", train_tasks=200000, heldout_tasks=512,
                 publish_dtype="bfloat16", kl_coef=1e-3, is_cap=2.0, eval_every=50)
     c.optim.update(peak_lr=1e-6, warmup_steps=10)
-    c.train.update(steps=2000, ce_chunk_size=8192)
+    # ce_chunk_size stays layouts.full's 2,048 tokens per device per loss chunk: 8,192 for the
+    # whole pod made a 4,096-step chunk loop gathering the output head at every step.
+    c.train.update(steps=2000)
     c.checkpoint.update(every_steps=20, keep=3)
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny or full")

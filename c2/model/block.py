@@ -45,6 +45,7 @@ class DecoderBlock(nn.Module):
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
         softmax_scale=cfg.softmax_scale, attention_impl=cfg.attention_impl,
+        splash_fused_backward=cfg.splash_fused_backward,
         context_parallel=cfg.context_parallel, sequence_layout=cfg.sequence_layout, dtype=dtype,
         param_dtype=param_dtype, name="attn")(attn_in, segment_ids, positions, cache)
     cache_aux = {}

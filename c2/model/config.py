@@ -95,6 +95,9 @@ class ModelConfig:
   # (P times the average). Overflowing token-choices are dropped and counted (moe/dropped_fraction).
   ep_capacity_factor: Optional[float] = None
   attention_impl: str = "auto"  # splash on TPU; dense (T <= 2048) or blockwise elsewhere
+  # Splash's backward as one kernel (c2.ops.splash_attention): fewer FLOPs, but it holds dq per
+  # kv block (T^2 / block_kv): the layouts measured to fit turn it on (experiments/layouts.py).
+  splash_fused_backward: bool = False
   # How attention splits a row over the mesh's context axis (c2.ops.context_attention):
   # "latent_all_gather" gathers the MLA latents (Composer 2's; the pipeline then lays rows out
   # zig-zag, c2.data.zigzag) or "ulysses" all-to-alls (the default: on TPU, splash exactly as

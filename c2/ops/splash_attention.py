@@ -4,16 +4,18 @@ Glossary: B batch, T length, H heads, K query/key head dim, J value head dim.
 
 The kernel (jax.experimental.pallas.ops.tpu.splash_attention) works on one sequence,
 q [H, T, K], k [H, T, K], v [H, T, J], with a static mask (here causal) AND-ed with segment ids,
-and has its own custom VJP (separate dQ and dKV kernels). This wrapper adapts it:
+and has its own custom VJP (separate dQ and dKV kernels, or one fused backward kernel: see
+block_sizes). This wrapper adapts it:
 
   - the softmax scale (MLA folds YaRN's mscale^2 into it) is multiplied into q: the kernel has
     no scale argument;
   - q/k and v head dims are zero-padded to a multiple of 128 lanes (K 192 -> 256, J 128 stays;
     tiny preset 48 -> 128, 32 -> 128). Zero columns add nothing to q.k, and padded output
-    columns are sliced off. TPU HBM tiles the minor dim to 128 lanes anyway, so at K = 192 the
-    cost is the pad copy fused into the [B, T, H, K] -> [B, H, T, K] transpose, not MXU work;
-    unpadded 192 also compiles, but with more temporaries (v5p, 8k tokens, 4 heads per device:
-    85 MiB unpadded vs 60 MiB padded, relayout copies);
+    columns are sliced off. TPU HBM tiles the minor dim to 128 lanes anyway, and a 128-wide
+    MXU contracts K = 192 in two passes as it does 256, so the padding costs the pad copy fused
+    into the [B, T, H, K] -> [B, H, T, K] transpose, not MXU time. Unpadded 192 also compiles
+    (HEAD_DIM_MULTIPLE = 64): on the full 32k step the same HBM (55.87 GiB) and a counted FLOP
+    ratio of 1.482 instead of 1.612, but that drop is counting, not MXU passes: kept padded;
   - T is padded to a multiple of the blocks with segment id 0 and sliced back;
   - it runs per device inside `jax.shard_map` with batch and heads manual (logical axes
     `batch` and `kernel_heads`, so the rules table decides the mesh axes) and vmaps the kernel
@@ -48,33 +50,36 @@ KERNEL_OUTPUTS = "attention_kernel_outputs"  # checkpoint name of what the forwa
 HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple of this
 
 # Block sizes per TPU generation: rows (max_len, block_q, block_kv, block_kv_compute); the first
-# row with T <= max_len wins (None: any length). The backward kernels use the same sizes. Untuned:
-# 512 is MaxText's default for every splash block; 1024 beyond 64k keeps the host-side mask
-# processing and the grid small. Blocks are clipped to T rounded up to 128, so short sequences do
-# not pad to 512. Add a generation's rows here once measured.
+# row with T <= max_len wins (None: any length). The backward kernels
+# use the same sizes. Untuned: 512 is MaxText's default for every splash block; 1024 beyond 64k
+# keeps the host-side mask processing and the grid small. Blocks are clipped to T rounded up to
+# 128, so short sequences do not pad to 512. Add a generation's rows here once measured.
 SPLASH_BLOCKS: dict[str, tuple[tuple[Optional[int], int, int, int], ...]] = {
     "default": ((65536, 512, 512, 512), (None, 1024, 1024, 512)),
 }
-# The backward as one kernel (dq accumulated inside the dkv kernel, per kv block, then summed)
-# instead of separate dq and dkv kernels that both recompute the scores and dp.
-FUSED_BACKWARD = False
 
 
 def block_sizes(seq_len: int, generation: Optional[str] = None,
-                fused_backward: Optional[bool] = None) -> splash.BlockSizes:
-  """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...);
-  fused_backward defaults to FUSED_BACKWARD."""
+                fused_backward: bool = False) -> splash.BlockSizes:
+  """The table's block sizes for a sequence length on a generation ('v5p', 'tpu7x', ...).
+
+  fused_backward: one backward kernel (dq accumulated inside the dkv kernel) instead of separate
+  dq and dkv kernels that both recompute the scores and dp. It keeps dq per kv block
+  ([T / block_kv, *q.shape]) until their sum, which grows as T^2 / block_kv. Measured (AOT,
+  v5p:16x16x16, full 32k step): FLOP ratio 1.612 -> 1.456 for 55.9 -> 60.7 GiB per device; the
+  same model over 2 slices (fsdp 32) went from 78.3 to 103.5 GiB, over the 95; at 256k it would
+  hold about 64 GiB per device. Hence a per-layout choice (ModelConfig.splash_fused_backward).
+  """
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
   cap = round_up(seq_len, LANES)
   block_q, block_kv = min(block_q, cap), min(block_kv, cap)
   compute = compute if block_kv % compute == 0 else block_kv
-  fused = FUSED_BACKWARD if fused_backward is None else fused_backward
   return splash.BlockSizes(
       block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
       block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=compute,
-      block_q_dq=None if fused else block_q, block_kv_dq=None if fused else block_kv,
-      use_fused_bwd_kernel=fused)
+      block_q_dq=None if fused_backward else block_q,
+      block_kv_dq=None if fused_backward else block_kv, use_fused_bwd_kernel=fused_backward)
 
 
 def generation_of(device) -> Optional[str]:
@@ -152,10 +157,10 @@ def _splash_call_bwd(vjp, d_out):
 _splash_call.defvjp(_splash_call_fwd, _splash_call_bwd)
 
 
-def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret):
+def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret, fused_backward):
   """One device's shard: q [B, T, H, K], k [B, T, H, K], v [B, T, H, J] -> [B, T, H, J]."""
   t, h, v_dim = q.shape[1], q.shape[2], v.shape[3]
-  blocks = blocks or block_sizes(t, generation)
+  blocks = blocks or block_sizes(t, generation, fused_backward)
   padded_t = round_up(t, math.lcm(blocks.block_q, blocks.block_kv))
 
   def to_kernel_layout(x):  # [B, T, H, D] -> [B, H, T', D'], zero padded
@@ -174,18 +179,19 @@ def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret)
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                      segment_ids: jax.Array, blocks: Optional[splash.BlockSizes] = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, fused_backward: bool = False) -> jax.Array:
   """Causal self-attention inside packed segments with the splash kernel.
 
   q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] -> [B, T, H, J] (dtype of
-  v). `blocks` overrides the table; `interpret` runs the kernel in the Pallas interpreter (CPU
-  tests). Under a mesh (jax.set_mesh) it runs in shard_map over the batch and head axes.
+  v). `blocks` overrides the table (and `fused_backward`, see block_sizes); `interpret` runs the
+  kernel in the Pallas interpreter (CPU tests). Under a mesh (jax.set_mesh) it runs in shard_map over the batch and head axes.
   """
   mesh = jax.sharding.get_abstract_mesh()
   has_mesh = mesh is not None and not mesh.empty
   device = mesh.abstract_device if has_mesh else None
   local = functools.partial(
       _local_splash, scale=float(scale), blocks=blocks, interpret=interpret,
+      fused_backward=fused_backward,
       generation=generation_of(device if device is not None else jax.devices()[0]))
   if not has_mesh or math.prod(mesh.axis_sizes) == 1:
     with jax.named_scope("splash_attention"):

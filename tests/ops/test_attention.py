@@ -158,11 +158,12 @@ def _tpu_mesh(layout, topology="v5p:2x2x1"):
   return meshlib.make_mesh(layout, devices=topology_devices(topology))
 
 
-def _compile_model_grad(b, t, layout):
+def _compile_model_grad(b, t, layout, fused_backward=False):
   """One dense block (no MTP) of the tiny preset, attention_impl="auto", grad of a loss."""
   from c2 import model  # pylint: disable=import-outside-toplevel
   from c2.model.config import get_preset  # pylint: disable=import-outside-toplevel
-  cfg = get_preset("tiny", num_layers=1, first_k_dense=1, mtp_depth=0, attention_impl="auto")
+  cfg = get_preset("tiny", num_layers=1, first_k_dense=1, mtp_depth=0, attention_impl="auto",
+                   splash_fused_backward=fused_backward)
   mesh = _tpu_mesh(layout)
   params = with_shardings(model.abstract_params(cfg), model.param_shardings(cfg, mesh))
   batch = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
@@ -176,13 +177,15 @@ def _compile_model_grad(b, t, layout):
 
 @pytest.mark.tpu_aot
 @needs_libtpu
-def test_model_train_grad_compiles_with_splash_on_tpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
+def test_model_train_grad_compiles_with_splash_on_tpu(fused):
   """Forward + backward at 1024 tokens: the TPU mesh makes "auto" pick splash although this
-  host is a CPU; the fwd, dQ and dKV kernels are in the HLO, and all temporaries (7.3 MiB)
-  stay below one device's dense [B, H, T, T] float32 scores (16 MiB; the reference: 19.4 MiB)."""
+  host is a CPU; the fwd, dQ and dKV kernels (fwd and one backward kernel with
+  ModelConfig.splash_fused_backward) are in the HLO, and all temporaries (7.3 MiB unfused) stay
+  below one device's dense [B, H, T, T] float32 scores (16 MiB; the reference: 19.4 MiB)."""
   b, t = 4, 1024
-  cfg, compiled = _compile_model_grad(b, t, {"fsdp": 2, "tensor": 2})
-  assert compiled.as_text().count("tpu_custom_call") == 3
+  cfg, compiled = _compile_model_grad(b, t, {"fsdp": 2, "tensor": 2}, fused)
+  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3)
   dense_scores = (b // 2) * (cfg.num_heads // 2) * t * t * 4
   assert compiled.memory_analysis().temp_size_in_bytes < dense_scores / 2
 
@@ -200,22 +203,27 @@ def test_model_train_grad_at_32k_tokens_fits_in_o_of_t():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
-def test_splash_at_32k_tokens_needs_o_of_t_memory():
+@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
+def test_splash_at_32k_tokens_needs_o_of_t_memory(fused):
   """Attention fwd + bwd at 32,768 tokens (batch 1, 4 heads over tensor=4, tiny MLA dims):
-  temporaries are O(T) (~73 MiB: lane-broadcast segment ids and positions, lse, padded q/k/v),
-  not the 4 GiB of one device's dense [1, 1, T, T] float32 scores."""
+  with separate dq and dkv kernels temporaries are O(T) (~73 MiB: lane-broadcast segment ids
+  and positions, lse, padded q/k/v), not the 4 GiB of one device's dense [1, 1, T, T] float32
+  scores. The fused backward adds dq per kv block: T / 512 x [T, 128] bf16 = 512 MiB here."""
   t = 32768
+  blocks = sa.block_sizes(t, fused_backward=fused)
   mesh = _tpu_mesh({"tensor": 4})
   spec = NamedSharding(mesh, P(None, None, "tensor", None))
   sds = lambda d: jax.ShapeDtypeStruct((1, t, 4, d), jnp.bfloat16, sharding=spec)
   seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=NamedSharding(mesh, P()))
 
   def loss(q, k, v, segment_ids):
-    out = attn.attention(q, k, v, scale=0.1, segment_ids=segment_ids, impl="splash")
+    out = sa.splash_attention(q, k, v, scale=0.1, segment_ids=segment_ids, blocks=blocks)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(sds(48), sds(48), sds(32),
                                                                  seg).compile()
-  assert compiled.as_text().count("tpu_custom_call") == 3
-  assert compiled.memory_analysis().temp_size_in_bytes < 256 << 20  # dense: 4 GiB
+  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3)
+  temporaries = compiled.memory_analysis().temp_size_in_bytes
+  print(f"splash at 32k, fused backward {fused}: temporaries {temporaries / 2**20:.1f} MiB")
+  assert temporaries < ((256 + 512) << 20 if fused else 256 << 20)  # dense: 4 GiB
