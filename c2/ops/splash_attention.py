@@ -67,8 +67,9 @@ def block_sizes(seq_len: int, generation: Optional[str] = None,
   dq and dkv kernels that both recompute the scores and dp. It keeps dq per kv block
   ([T / block_kv, *q.shape]) until their sum, which grows as T^2 / block_kv. Measured (AOT,
   v5p:16x16x16, full 32k step): FLOP ratio 1.612 -> 1.456 for 55.9 -> 60.7 GiB per device; the
-  same model over 2 slices (fsdp 32) went from 78.3 to 103.5 GiB, over the 95; at 256k it would
-  hold about 64 GiB per device. Hence a per-layout choice (ModelConfig.splash_fused_backward).
+  same model over 2 slices (fsdp 32) went from 78.3 to 103.5 GiB, over the 95, and on
+  tpu7x:8x16x16 from 70.9 to 95.05 of 96 GiB; at 256k it would hold about 64 GiB per device.
+  Hence a per-layout choice (ModelConfig.splash_fused_backward).
   """
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
