@@ -17,6 +17,7 @@ from c2.data import zigzag
 from c2.ops import context_attention as ca
 from c2.ops.attention import attention
 from c2.parallel.mesh import make_mesh
+from tests.packed_rows import packed_rows
 
 B, T, H, N, R, J, L = 2, 64, 4, 8, 4, 8, 16
 SCALE = 0.3
@@ -24,13 +25,7 @@ DOCS = ([5, 20, 9, 19, 3], [64])  # row 0 ends in 8 padding tokens; row 1 is one
 
 
 def _packed():
-  seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
-  for b, lengths in enumerate(DOCS):
-    start = 0
-    for doc, length in enumerate(lengths, start=1):
-      seg[b, start:start + length], pos[b, start:start + length] = doc, np.arange(length)
-      start += length
-  return seg, pos
+  return packed_rows(DOCS, T)
 
 
 def _inputs(seed=0):

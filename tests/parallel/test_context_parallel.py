@@ -15,6 +15,7 @@ from c2.data import zigzag
 from c2.losses import targets as targets_lib
 from c2.losses.lm import LossWeights, lm_loss
 from c2.parallel.mesh import make_mesh
+from tests.packed_rows import packed_rows
 
 B, T = 2, 64
 DOCS = ([5, 20, 9, 19, 3], [40, 24])  # row 0 ends in 8 padding tokens
@@ -22,12 +23,7 @@ DOCS = ([5, 20, 9, 19, 3], [40, 24])  # row 0 ends in 8 padding tokens
 
 def _batch(vocab: int, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
-  seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
-  for b, lengths in enumerate(DOCS):
-    start = 0
-    for doc, length in enumerate(lengths, start=1):
-      seg[b, start:start + length], pos[b, start:start + length] = doc, np.arange(length)
-      start += length
+  seg, pos = packed_rows(DOCS, T)
   mask = (seg != 0).astype(np.float32)
   mask[0, 30:36] = 0  # a prompt span: not a target
   tokens = np.where(seg != 0, rng.integers(2, vocab, (B, T)), 0).astype(np.int32)
