@@ -20,6 +20,7 @@ the same blocks, assembled in float32 and rounded once to the target dtype.
 """
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -29,6 +30,7 @@ import numpy as np
 
 from c2 import model as model_lib
 from c2.hf import checkpoint as hf
+from c2.hf.orbax_stream import SlicedLeaf, slice_shape
 from c2.hf.progress import progress_bar
 from c2.hf.tensors import CheckpointError, TensorStore
 from c2.model.config import ModelConfig
@@ -97,6 +99,19 @@ def _leaf_block(store: TensorStore, root: str, plan, index: tuple[slice, ...],
   layers = list(enumerate(_indices(index, shape)[0]))
   list(pool.map(fill, layers) if pool is not None else map(fill, layers))
   return block
+
+
+def _read_block(store: TensorStore, root: str, plan, index: tuple[slice, ...], dtype: np.dtype,
+                pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+  """_leaf_block in float32 (per layer), rounded once to `dtype` as the single-host import
+  does; a mismatch names our parameter and the config.json fields behind its shape."""
+  path, leaf = plan[0], plan[1]
+  try:
+    return _leaf_block(store, root, plan, index, np.dtype(np.float32), pool).astype(dtype,
+                                                                                   copy=False)
+  except CheckpointError as e:
+    raise CheckpointError(f"{e} [our parameter {'/'.join(path)}, shape {tuple(leaf.shape)} "
+                          f"from {hf_config_fields(path)} in config.json]") from e
 
 
 def hf_config_fields(path: tuple[str, ...]) -> str:
@@ -174,12 +189,7 @@ def import_leaves(cfg: ModelConfig, store: TensorStore, root: str, mesh: jax.sha
     leaf_dtype = hf.import_dtype(path, dtype)
     shards = []
     for index, devices in groups:
-      try:  # float32 per layer, rounded once to bf16 (as the single-host import does)
-        block = _leaf_block(store, root, plan, index, np.dtype(np.float32), pool).astype(
-            leaf_dtype, copy=False)
-      except CheckpointError as e:
-        raise CheckpointError(f"{e} [our parameter {'/'.join(path)}, shape {tuple(leaf.shape)} "
-                              f"from {hf_config_fields(path)} in config.json]") from e
+      block = _read_block(store, root, plan, index, leaf_dtype, pool)
       shards.extend(jax.device_put(block, d) for d in devices)
       placed += block.nbytes * len(devices)
       bar.update(block.nbytes)
@@ -194,3 +204,17 @@ def import_leaves(cfg: ModelConfig, store: TensorStore, root: str, mesh: jax.sha
 
 
 import_sharded.stats = {}
+
+
+def sliced_leaves(cfg: ModelConfig, store: TensorStore, root: str, *, dtype=np.float32,
+                  max_slice_bytes: int = 256 << 20) -> Iterator[tuple[tuple[str, ...], SlicedLeaf]]:
+  """(our path, SlicedLeaf) for every leaf, for the offline conversion (c2.hf.orbax_stream): no
+  mesh and no leaf in memory; each slice (at most `max_slice_bytes` in the target dtype, or one
+  row of the innermost dim) is read and dequantised from the HF tensors when it is written."""
+  for plan in hf.leaf_plans(cfg):
+    path, leaf = plan[0], plan[1]
+    leaf_dtype = np.dtype(hf.import_dtype(path, dtype))
+    shape = tuple(leaf.shape)
+    yield path, SlicedLeaf(shape, leaf_dtype, slice_shape(shape, leaf_dtype.itemsize,
+                                                          max_slice_bytes),
+                           functools.partial(_read_block, store, root, plan, dtype=leaf_dtype))

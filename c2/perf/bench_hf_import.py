@@ -93,7 +93,49 @@ def _vm_hwm() -> int:
   return 0
 
 
-def _worker(hf_dir: str, out: str, single_host: bool, workers: int, export: str | None) -> None:
+def _vm_rss() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def _offline(hf_dir: str, out: str, workers: int, slice_mb: float, mesh):
+  """The offline conversion (c2.hf.convert import) to OUT.c2, its memory, then the converted
+  checkpoint restored on `mesh` for the CRCs of its device blocks."""
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from c2 import model  # pylint: disable=import-outside-toplevel
+  from c2.hf import checkpoint as hf  # pylint: disable=import-outside-toplevel
+  from c2.hf import config as hf_config  # pylint: disable=import-outside-toplevel
+  from c2.hf import convert  # pylint: disable=import-outside-toplevel
+  converted = out + ".c2"
+  rss_before = _vm_rss()
+  start = time.perf_counter()
+  convert.import_hf(hf_dir, converted, "bfloat16", workers, slice_mb)
+  stats = dict(convert.import_hf.stats, seconds=time.perf_counter() - start,
+               peak_rss=_vm_hwm(), rss_before=rss_before)
+  with open(os.path.join(converted, convert.CONFIG_FILE)) as f:
+    cfg = hf_config.from_json(f.read())
+  shardings = model.param_shardings(cfg, mesh)
+  target = {}
+  for path, leaf in hf._leaves(model.abstract_params(cfg)):  # pylint: disable=protected-access
+    node = target
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = jax.ShapeDtypeStruct(leaf.shape, hf.import_dtype(path, ml_dtypes.bfloat16))
+  target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s),
+                        target, shardings)
+  with ocp.StandardCheckpointer() as ckptr:
+    params = ckptr.restore(os.path.join(converted, convert.PARAMS_DIR), target)
+  return cfg, stats, params
+
+
+def _worker(hf_dir: str, out: str, single_host: bool, workers: int, export: str | None,
+            offline_slice_mb: float | None = None) -> None:
   import time  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import ml_dtypes  # pylint: disable=import-outside-toplevel
@@ -117,15 +159,18 @@ def _worker(hf_dir: str, out: str, single_host: bool, workers: int, export: str 
         sums[f"{'/'.join(path)}{[(s.start, s.stop) for s in index]}"] = zlib.crc32(block.view(np.uint8))
         largest = max(largest, block.nbytes)
   else:
-    cfg, params = import_sharded(hf_dir, mesh, dtype=ml_dtypes.bfloat16,
-                                 progress=jax.process_index() == 0, workers=workers)
-    stats = dict(import_sharded.stats)
+    if offline_slice_mb is not None:
+      cfg, stats, params = _offline(hf_dir, out, workers, offline_slice_mb, mesh)
+    else:
+      cfg, params = import_sharded(hf_dir, mesh, dtype=ml_dtypes.bfloat16,
+                                   progress=jax.process_index() == 0, workers=workers)
+      stats = dict(import_sharded.stats)
     for path, leaf in hf._leaves(params):  # pylint: disable=protected-access
       for shard in leaf.addressable_shards:
         block = np.ascontiguousarray(np.asarray(shard.data))
         sums[f"{'/'.join(path)}{[(s.start, s.stop) for s in shard.index]}"] = zlib.crc32(block.view(np.uint8))
         largest = max(largest, block.nbytes)
-  stats["peak_rss"] = _vm_hwm()  # of the import (VmHWM only grows: read before the export)
+  stats.setdefault("peak_rss", _vm_hwm())  # of the import (VmHWM only grows: before the export)
   if export:  # every process gathers, process 0 writes (streaming, bf16 experts)
     export_start = time.perf_counter()
     hf.export_checkpoint(cfg, params, export, dtype="bfloat16", max_shard_bytes=256 << 20)
@@ -139,11 +184,12 @@ def _worker(hf_dir: str, out: str, single_host: bool, workers: int, export: str 
 
 
 def run(hf_dir: str, out: str, processes: int, single_host: bool, workers: int = 1,
-        export: str | None = None) -> None:
+        export: str | None = None, offline_slice_mb: float | None = None) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "c2.perf.bench_hf_import", "_worker", hf_dir]
   flags = [f"--workers={workers}"] + (["--single-host"] if single_host else [])
   flags += [f"--export={export}"] if export else []
+  flags += [f"--offline={offline_slice_mb}"] if offline_slice_mb is not None else []
   if processes == 1:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     subprocess.run(cmd + [out] + flags, env=env, check=True)
@@ -170,13 +216,17 @@ def main(argv=None) -> None:
   parser.add_argument("--single-host", action="store_true")
   parser.add_argument("--workers", type=int, default=1, help="threads per process")
   parser.add_argument("--export", help="then export the imported params here (HF, bf16)")
+  parser.add_argument("--offline", type=float, default=None, metavar="SLICE_MB",
+                      help="the offline conversion (c2.hf.convert import) to OUT.c2 with slices "
+                           "of SLICE_MB, then restored on the mesh for the CRCs")
   args = parser.parse_args(argv)
   if args.command == "make":
     make(args.dir, args.gb)
   elif args.command == "run":
-    run(args.dir, args.out, args.processes, args.single_host, args.workers, args.export)
+    run(args.dir, args.out, args.processes, args.single_host, args.workers, args.export,
+        args.offline)
   else:
-    _worker(args.dir, args.out, args.single_host, args.workers, args.export)
+    _worker(args.dir, args.out, args.single_host, args.workers, args.export, args.offline)
 
 
 if __name__ == "__main__":
