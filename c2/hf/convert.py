@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -58,9 +59,14 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str, workers: int = 1,
   total = sum(leaf.nbytes for leaf in leaves)
   bar = progress_bar(True, total, "import")
   os.makedirs(tmp)
-  orbax_stream.save_sliced(os.path.join(tmp, PARAMS_DIR), tree, progress=bar,
-                           prefetch=max(0, workers - 1))
-  bar.close()
+  try:
+    orbax_stream.save_sliced(os.path.join(tmp, PARAMS_DIR), tree, progress=bar,
+                             prefetch=max(0, workers - 1))
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion leaves nothing behind
+    raise
+  finally:
+    bar.close()
   with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
     f.write(hf_config.to_json(cfg))
   os.replace(tmp, out_dir)  # OUT_DIR appears only when complete

@@ -156,6 +156,12 @@ def test_mismatch_errors_name_the_tensor(k25_dir, tmp_path):
   with pytest.raises(CheckpointError, match=r"language_model\.model\.layers\.1\.mlp\.experts\.0"
                      r"\.down_proj: \[out, in\] = \(256, 128\).*moe_intermediate_size"):
     import_sharded(str(bad), mesh)
+  # The offline conversion raises the same error from its writer thread and leaves no output.
+  from c2.hf import convert  # pylint: disable=import-outside-toplevel
+  with pytest.raises(CheckpointError, match=r"experts\.0\.down_proj: \[out, in\] = \(256, 128\)"
+                                            r".*our parameter .*moe_intermediate_size"):
+    convert.import_hf(str(bad), str(tmp_path / "c2"), "bfloat16", 1, 0.015625)
+  assert not [p for p in os.listdir(tmp_path) if p.startswith("c2")]  # nor a temporary
   raw["text_config"]["moe_intermediate_size"] = 128
   raw["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"][
       "group_size"] = 64
