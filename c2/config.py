@@ -53,6 +53,11 @@ class DataConfig:
   # rows are filled by single long documents rather than many short ones packed together; 0 keeps
   # every document. Longer documents are still cut into seq_len pieces.
   min_doc_tokens: int = 0
+  # Language modelling, train split only: this share of documents becomes a copy drill, random
+  # tokens of the document twice, `[BOS] a a [EOS]` within one row (c2/data/examples.py). The
+  # second copy is predictable only by looking back, the skill (induction) that copying a path
+  # from the prompt into a tool call needs; the tiny model's 240 CPU steps of code lack it.
+  repeat_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +356,11 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   if data.min_doc_tokens < 0:
     raise ConfigError(f"config.data.min_doc_tokens={data.min_doc_tokens} must be >= 0 (0: keep "
                       "every document)")
+  if not 0.0 <= data.repeat_fraction <= 1.0:
+    raise ConfigError(f"config.data.repeat_fraction={data.repeat_fraction} must be in [0, 1]")
+  if data.repeat_fraction and exp.phase in ("sft", "rl"):
+    raise ConfigError("config.data.repeat_fraction repeats language-modelling documents; the "
+                      f"{exp.phase} phase does not read documents (set it to 0)")
   if data.min_doc_tokens and exp.phase in ("sft", "rl"):
     raise ConfigError("config.data.min_doc_tokens filters language-modelling documents; the "
                       f"{exp.phase} phase does not read documents (set it to 0)")

@@ -41,6 +41,42 @@ class DocumentToExample(grain.transforms.Map):
     return _example(ids, np.ones(len(ids), np.int32))
 
 
+class DocumentOrCopyDrill(grain.transforms.RandomMap):
+  """DocumentToExample, except that a `fraction` of the documents become copy drills
+  (config.data.repeat_fraction): `[BOS] a a [EOS]`, `a` 8 to (max_tokens - 2) // 2 tokens drawn
+  from the document's distinct tokens (without replacement where there are enough), so both
+  copies land in one row of max_tokens; only the second copy and EOS carry loss.
+
+  Predicting the second copy needs attention to the first (induction), the skill that copying a
+  path or a name from the prompt into a tool call rests on. The draws come from grain's
+  per-element generator (seeded by the pipeline seed and the element's index), so a document
+  gives a different drill on every pass: drills fixed per document were measured to be
+  memorised by the tiny model (the small corpus is seen for epochs), teaching no copying; so
+  were the document's own first tokens, repeated. A random length keeps the second copy from
+  starting at a fixed position a fixed-offset head could exploit.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, text_field: str = "text", *, fraction: float,
+               max_tokens: int):
+    self._tokenizer, self._text_field = tokenizer, text_field
+    self._fraction, self._max_tokens = fraction, max_tokens
+
+  def random_map(self, record: Mapping[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    body = self._tokenizer.encode(record[self._text_field])
+    if rng.random() < self._fraction:
+      length = int(rng.integers(8, max(9, (self._max_tokens - 2) // 2 + 1)))
+      distinct = np.unique(body)  # the document's own tokens, so no special ones
+      part = rng.choice(distinct, size=length, replace=len(distinct) < length).tolist()
+      ids = [self._tokenizer.bos_id, *part, *part, self._tokenizer.eos_id]
+      # Loss on the second copy (and EOS) only: the first is random by design, and its loss
+      # (about ln of the pool) would swamp the copying signal in the clipped gradient.
+      mask = np.zeros(len(ids), np.int32)
+      mask[1 + length:] = 1
+      return _example(ids, mask)
+    ids = [self._tokenizer.bos_id, *body, self._tokenizer.eos_id]
+    return _example(ids, np.ones(len(ids), np.int32))
+
+
 def _maybe_json(value: Any) -> Any:
   # Parquet stores nested lists as structs, but corpora often keep them as JSON strings instead.
   return json.loads(value) if isinstance(value, str) else value

@@ -57,7 +57,8 @@ def build_dataset(*, source_spec: str | sources.SourceSpec, to_example: grain.tr
   """The grain dataset of batches; `iter()` it for a checkpointable iterator.
 
   Args:
-    to_example: record -> {"tokens", "loss_mask"} (c2/data/examples.py).
+    to_example: record -> {"tokens", "loss_mask"} (c2/data/examples.py); a RandomMap gets
+      grain's per-element generator (seeded by `seed` and the element's index).
     num_epochs: None repeats forever (training); an int stops after that many passes.
     num_packing_bins: rows packed at once (default max(batch_size, 64)).
     read_threads: threads that read and tokenise records ahead of packing.
@@ -72,7 +73,9 @@ def build_dataset(*, source_spec: str | sources.SourceSpec, to_example: grain.tr
   # Shuffle before repeat: grain's shuffle draws a new permutation for each epoch index range.
   records = records.shuffle(seed=seed).repeat(num_epochs)
   records = records[process_index::process_count]
-  examples = records.map(to_example).to_iter_dataset(
+  examples = (records.random_map(to_example, seed=seed)
+              if isinstance(to_example, grain.transforms.RandomMap) else records.map(to_example))
+  examples = examples.to_iter_dataset(
       grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(4 * read_threads, 8)))
   if min_example_tokens:
     examples = examples.filter(MinLength(min_example_tokens))
@@ -89,16 +92,20 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
                      seq_len: int, batch_size: int, seed: int,
                      process_index: int | None = None, process_count: int | None = None,
                      split: str = "train", num_epochs: int | None = None,
-                     text_field: str = "text", **options) -> grain.DatasetIterator:
+                     text_field: str = "text", repeat_fraction: float = 0.0,
+                     **options) -> grain.DatasetIterator:
   """Language-modelling batches: documents `[BOS] text [EOS]`, every token a target.
 
   Returns a grain DatasetIterator yielding dicts of numpy arrays tokens / segment_ids / positions
   (int32) and loss_mask (float32), each [batch_size, seq_len] (contract in c2/data/packing.py).
   `options` go to build_dataset (num_packing_bins, read_threads, num_workers,
-  min_example_tokens).
+  min_example_tokens). repeat_fraction: copy drills (examples_lib.DocumentOrCopyDrill).
   """
+  to_example = (examples_lib.DocumentOrCopyDrill(tokenizer, text_field, fraction=repeat_fraction,
+                                                 max_tokens=seq_len) if repeat_fraction
+                else examples_lib.DocumentToExample(tokenizer, text_field))
   dataset = build_dataset(
-      source_spec=source_spec, to_example=examples_lib.DocumentToExample(tokenizer, text_field),
+      source_spec=source_spec, to_example=to_example,
       seq_len=seq_len, batch_size=batch_size, pad_id=tokenizer.pad_id, seed=seed, split=split,
       process_index=process_index, process_count=process_count, num_epochs=num_epochs, **options)
   return iter(dataset)

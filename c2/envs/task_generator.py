@@ -116,10 +116,14 @@ def _set_constant(rng: random.Random, level: int) -> _Draft:
       ("test_others_unchanged", tt.assertion(f"settings.{target}", new) + "\n" + tt.assertion(
           f"{{k: v for k, v in settings.as_dict().items() if k != {target!r}}}", others))])
   path = f"{pkg}/settings.py"
-  prompt = rng.choice(("Set `{t}` in `{p}` to `{v!r}`.", "Change the setting {t} in {p} to {v!r}.",
-                       "In {p}, {t} should be {v!r}. Please make that change."))
+  # Every span the policy copies is quoted as it appears in the code and the tool-call JSON: a
+  # BPE tokenizer gives " orbit" and "orbit" different tokens, so an unquoted name in prose is a
+  # different token sequence from the same name in a path argument (tiny models fail that copy).
+  line = f"{target} = {new!r}"
+  prompt = rng.choice(("Set `{l}` in `{p}`.", "In `{p}`, change the setting `{t}` to `{l}`.",
+                       "`{p}` should say `{l}`. Please make that change."))
   return _Draft("set_constant", ("set_constant", target, pkg),
-                prompt.format(t=target, p=path, v=new), settings(values),
+                prompt.format(t=target, p=path, l=line), settings(values),
                 settings({**values, target: new}), hidden, [_tool("read_file", path=path)])
 
 
@@ -146,7 +150,9 @@ def _rename_symbol(rng: random.Random, level: int) -> _Draft:
                               "TestRename", tests)
   path, extra = f"{pkg}/{module}.py", {}
   if level <= 1:
-    prompt = (f"Rename the function `{old}` in `{path}` to `{new}` and update its caller in that "
+    # The names unquoted: in the code they mostly follow a space (`def name`, `= name(`), so the
+    # prompt's tokens for them are the ones the edits write.
+    prompt = (f"Rename the function {old} in `{path}` to {new} and update its caller in that "
               "file.")
     explore = [_tool("read_file", path=path)]
   else:  # a second module, so the policy has to search for the function

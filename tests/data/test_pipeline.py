@@ -130,3 +130,45 @@ def test_sft_loss_mask_covers_only_assistant_replies(tmp_path, record_writer, sm
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
     trained += [small_tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(edges[::2], edges[1::2])]
   assert sorted(trained) == sorted(f"<think></think>answer {i}<|im_end|>" for i in range(len(CHATS)))
+
+
+def test_copy_drills_repeat_a_fresh_shuffled_part_of_the_chosen_share_of_documents(
+    small_tokenizer):
+  """data.repeat_fraction: that share of documents is `[BOS] a a [EOS]`, `a` a random 8 to
+  (seq_len - 2) // 2 tokens drawn from its distinct tokens, both copies in one segment of one
+  row, loss on the second copy and EOS only; the draws come from grain's per-element generator, so the same document gives a different
+  drill on another pass, and the same seed gives the same stream."""
+  import grain  # pylint: disable=import-outside-toplevel
+  from c2.data.examples import DocumentOrCopyDrill, DocumentToExample  # pylint: disable=import-outside-toplevel
+  drill = DocumentOrCopyDrill(small_tokenizer, fraction=0.5, max_tokens=40)
+  plain = DocumentToExample(small_tokenizer)
+  texts = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+  records = grain.MapDataset.source([{"text": t} for t in texts])
+  drilled = list(records.random_map(drill, seed=3))
+  assert [e["tokens"].tolist() for e in drilled] == [
+      e["tokens"].tolist() for e in records.random_map(drill, seed=3)]  # seeded
+  repeated = 0
+  for text, example in zip(texts, drilled):
+    ids, got = small_tokenizer.encode(text), example["tokens"].tolist()
+    if got == plain.map({"text": text})["tokens"].tolist():
+      continue
+    repeated += 1
+    half = (len(got) - 2) // 2  # 8 to (40 - 2) // 2 = 19 of the text's tokens, then again
+    part = got[1:1 + half]
+    assert 8 <= half <= min(19, len(ids))
+    assert got == [small_tokenizer.bos_id, *part, *part, small_tokenizer.eos_id]
+    assert set(part) <= set(ids)
+    assert example["loss_mask"].tolist() == [0] * (1 + half) + [1] * (half + 1)  # 2nd copy, EOS
+  assert 75 <= repeated <= 125  # about half of 200
+  # Another pass over the same documents (the next epoch's indices) draws other drills.
+  again = list(grain.MapDataset.source([{"text": t} for t in texts]).repeat(2).random_map(
+      drill, seed=3))[200:]
+  assert sum(a["tokens"].tolist() != b["tokens"].tolist() for a, b in zip(drilled, again)) > 100
+  # Through the pipeline: every segment of the first batches is a repeated half.
+  batches = take(lm_iterator(small_tokenizer, repeat_fraction=1.0), 2)
+  for batch in batches:
+    for row, segments in zip(batch["tokens"], batch["segment_ids"]):
+      for segment in np.unique(segments[segments > 0]):
+        body = row[segments == segment][1:-1]  # without BOS and EOS
+        half = len(body) // 2
+        assert len(body) == 2 * half and np.array_equal(body[:half], body[half:])

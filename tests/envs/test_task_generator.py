@@ -111,3 +111,40 @@ def test_cli_writes_jsonl(tmp_path: pathlib.Path):
   out = tmp_path / "tasks.jsonl"
   task_generator.main(["--seed", "0", "--count", "3", "--split", "heldout", "--out", str(out)])
   assert tasks.read_jsonl(out) == task_generator.generate(0, 3, split="heldout")
+
+
+def test_level1_prompts_hold_the_copied_spans_as_the_tool_calls_tokenize_them(tokenizer_512):
+  """What a level-1 policy copies from the prompt into its tool calls (the path; for
+  set_constant the whole new line) is the same token sequence in both places: a BPE tokenizer
+  gives ' orbit' and 'orbit' different ids, and copying across that needs a learned mapping
+  the tiny model does not have. Checked on the calls the oracle makes, JSON-encoded as the chat
+  template writes them; the old unquoted prompt ("... in orbit/settings.py ...") fails it."""
+  import json  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  from c2.data.tokenizer import HuggingFaceTokenizer  # pylint: disable=import-outside-toplevel
+  tok = HuggingFaceTokenizer.from_file(tokenizer_512)
+
+  def contains(haystack, needle):
+    return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack)))
+
+  def span_tokens(prompt: str, span: str) -> list[int]:
+    """The tokens of `span` as the prompt has them (it is quoted there, or it fails here)."""
+    assert f"`{span}`" in prompt, (prompt, span)
+    ids, opening, closing = tok.encode(f" `{span}`"), tok.encode(" `"), tok.encode("`")
+    assert ids[:len(opening)] == opening and ids[-len(closing):] == closing
+    return ids[len(opening):-len(closing)]
+
+  bare = "Change the setting PAGE_SIZE in orbit/settings.py to 50."
+  path_call = tok.encode(json.dumps({"path": "orbit/settings.py"}))
+  assert not contains(path_call, tok.encode(bare)[5:10])  # the old prose: " orbit" != "orbit"
+  for task in task_generator.generate(0, 24, split="heldout", levels=(1,)):
+    prompt = tok.encode(task.prompt)
+    for call in task.solution:
+      if call["name"] == "finish":
+        continue
+      arguments = tok.encode(json.dumps(call["arguments"]))
+      path = span_tokens(task.prompt, call["arguments"]["path"])
+      assert contains(prompt, path) and contains(arguments, path), (task.prompt, call)
+      if "kind:set_constant" in task.tags and call["name"] == "edit_file":
+        line = span_tokens(task.prompt, call["arguments"]["replace"].rstrip("\n"))
+        assert contains(prompt, line) and contains(arguments, line), (task.prompt, call)

@@ -111,6 +111,8 @@ def test_init_from_optimizer_errors_are_clear(small_experiment, tmp_path):
     build(**{"train.init_from_optimizer": True})
   with pytest.raises(config_lib.ConfigError, match="min_doc_tokens=-1"):
     build(**{"data.min_doc_tokens": -1})
+  with pytest.raises(config_lib.ConfigError, match=r"repeat_fraction=1.5 must be in \[0, 1\]"):
+    build(**{"data.repeat_fraction": 1.5})
   converted = tmp_path / "converted"  # the layout of `python -m c2.hf.convert import`
   converted.mkdir()
   (converted / "model_config.json").write_text("{}")
