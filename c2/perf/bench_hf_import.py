@@ -85,20 +85,21 @@ def make(out_dir: str, gb: float) -> None:
   print(f"wrote {writer.total_bytes / 1e9:.2f} GB to {out_dir}")
 
 
-def _vm_hwm() -> int:
+def _proc_status_bytes(field: str) -> int:
+  """A /proc/self/status memory figure in bytes: VmHWM (peak RSS) or VmRSS (now)."""
   with open("/proc/self/status") as f:
     for line in f:
-      if line.startswith("VmHWM:"):
+      if line.startswith(field + ":"):
         return int(line.split()[1]) * 1024
   return 0
+
+
+def _vm_hwm() -> int:
+  return _proc_status_bytes("VmHWM")
 
 
 def _vm_rss() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) * 1024
-  return 0
+  return _proc_status_bytes("VmRSS")
 
 
 def _offline(hf_dir: str, out: str, workers: int, slice_mb: float, mesh):
