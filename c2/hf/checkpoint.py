@@ -112,6 +112,14 @@ def _leaves(tree) -> Iterator[tuple[tuple[str, ...], Any]]:
     yield tuple(k.key for k in keys), leaf
 
 
+def set_leaf(tree: dict, path: tuple[str, ...], value: Any) -> None:
+  """tree[path[0]][path[1]]...[path[-1]] = value, making the nested dicts on the way (the
+  inverse of _leaves, for importers that produce one leaf at a time)."""
+  for name in path[:-1]:
+    tree = tree.setdefault(name, {})
+  tree[path[-1]] = value
+
+
 def _split(shape: tuple[int, ...], in_dims: int) -> tuple[int, int]:
   """(O, I) of the HF Linear behind one of our leaves (one slice of it)."""
   return int(np.prod(shape[in_dims:])), int(np.prod(shape[:in_dims]))
@@ -262,10 +270,7 @@ def import_checkpoint(hf_dir: str, *, dtype=np.float32, compute_dtype: str | Non
         _read_slice(store, root + prefix, spec, tmp)
         dst[...] = tmp
       bar.update(dst.nbytes)
-    node = params
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-    node[path[-1]] = out
+    set_leaf(params, path, out)
   bar.close()
   return cfg, params
 

@@ -49,13 +49,11 @@ def import_hf(hf_dir: str, out_dir: str, dtype: str, workers: int = 1,
   start = time.perf_counter()
   cfg, store, root = hf.open_checkpoint(hf_dir, dtype=np_dtype)
   tree: dict = {}
+  leaves = []
   for path, leaf in sharded.sliced_leaves(cfg, store, root, dtype=np_dtype,
                                           max_slice_bytes=int(slice_mb * 2**20)):
-    node = tree
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-    node[path[-1]] = leaf
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, orbax_stream.SlicedLeaf))
+    hf.set_leaf(tree, path, leaf)
+    leaves.append(leaf)
   total = sum(leaf.nbytes for leaf in leaves)
   bar = progress_bar(True, total, "import")
   os.makedirs(tmp)

@@ -82,14 +82,12 @@ def slice_shape(shape: Sequence[int], itemsize: int, max_bytes: int) -> tuple[in
 
 
 class _SlicedLeafHandler(jax_array_handlers.ArrayHandler):
-  """Orbax's ArrayHandler for `SlicedLeaf` values: the same files, written slice by slice."""
+  """Orbax's ArrayHandler for `SlicedLeaf` values: the same files, written slice by slice. The
+  inherited typestr ("jax.Array") goes into the metadata, so the checkpoint is a plain one."""
 
   def __init__(self, *, progress=None, prefetch: int = 1, **kwargs):
     super().__init__(**kwargs)
     self._progress, self._prefetch = progress, prefetch
-
-  def typestr(self) -> str:
-    return super().typestr()  # "jax.Array": the checkpoint's metadata is a plain one
 
   async def _write(self, leaf: SlicedLeaf, info, arg) -> Any:
     await info.await_path_creation()

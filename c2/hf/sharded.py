@@ -151,10 +151,7 @@ def import_sharded(hf_dir: str, mesh: jax.sharding.Mesh, *, dtype=np.float32,
   params: dict = {}
   for path, array in import_leaves(cfg, store, root, mesh, dtype=dtype, progress=progress,
                                    shardings=shardings, workers=workers):
-    node = params
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-    node[path[-1]] = array
+    hf.set_leaf(params, path, array)
   return cfg, params
 
 

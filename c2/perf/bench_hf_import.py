@@ -121,15 +121,11 @@ def _offline(hf_dir: str, out: str, workers: int, slice_mb: float, mesh):
                peak_rss=_vm_hwm(), rss_before=rss_before)
   with open(os.path.join(converted, convert.CONFIG_FILE)) as f:
     cfg = hf_config.from_json(f.read())
-  shardings = model.param_shardings(cfg, mesh)
-  target = {}
-  for path, leaf in hf._leaves(model.abstract_params(cfg)):  # pylint: disable=protected-access
-    node = target
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-    node[path[-1]] = jax.ShapeDtypeStruct(leaf.shape, hf.import_dtype(path, ml_dtypes.bfloat16))
-  target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s),
-                        target, shardings)
+  target = jax.tree_util.tree_map_with_path(  # the dtypes the import writes, on the mesh
+      lambda keys, leaf, sharding: jax.ShapeDtypeStruct(
+          leaf.shape, hf.import_dtype(tuple(k.key for k in keys), ml_dtypes.bfloat16),
+          sharding=sharding),
+      model.abstract_params(cfg), model.param_shardings(cfg, mesh))
   with ocp.StandardCheckpointer() as ckptr:
     params = ckptr.restore(os.path.join(converted, convert.PARAMS_DIR), target)
   return cfg, stats, params
