@@ -60,21 +60,23 @@ class DocumentOrCopyDrill(grain.transforms.RandomMap):
                max_tokens: int):
     self._tokenizer, self._text_field = tokenizer, text_field
     self._fraction, self._max_tokens = fraction, max_tokens
+    self._document = DocumentToExample(tokenizer, text_field)
 
   def random_map(self, record: Mapping[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    if rng.random() >= self._fraction:
+      return self._document.map(record)
     body = self._tokenizer.encode(record[self._text_field])
-    if rng.random() < self._fraction:
-      length = int(rng.integers(8, max(9, (self._max_tokens - 2) // 2 + 1)))
-      distinct = np.unique(body)  # the document's own tokens, so no special ones
-      part = rng.choice(distinct, size=length, replace=len(distinct) < length).tolist()
-      ids = [self._tokenizer.bos_id, *part, *part, self._tokenizer.eos_id]
-      # Loss on the second copy (and EOS) only: the first is random by design, and its loss
-      # (about ln of the pool) would swamp the copying signal in the clipped gradient.
-      mask = np.zeros(len(ids), np.int32)
-      mask[1 + length:] = 1
-      return _example(ids, mask)
-    ids = [self._tokenizer.bos_id, *body, self._tokenizer.eos_id]
-    return _example(ids, np.ones(len(ids), np.int32))
+    if not body:  # an empty document has no tokens to draw from: it stays a document
+      return self._document.map(record)
+    length = int(rng.integers(8, max(9, (self._max_tokens - 2) // 2 + 1)))
+    distinct = np.unique(body)  # the document's own tokens, so no special ones
+    part = rng.choice(distinct, size=length, replace=len(distinct) < length).tolist()
+    ids = [self._tokenizer.bos_id, *part, *part, self._tokenizer.eos_id]
+    # Loss on the second copy (and EOS) only: the first is random by design, and its loss
+    # (about ln of the pool) would swamp the copying signal in the clipped gradient.
+    mask = np.zeros(len(ids), np.int32)
+    mask[1 + length:] = 1
+    return _example(ids, mask)
 
 
 def _maybe_json(value: Any) -> Any:

@@ -160,6 +160,10 @@ def test_copy_drills_repeat_a_fresh_shuffled_part_of_the_chosen_share_of_documen
     assert set(part) <= set(ids)
     assert example["loss_mask"].tolist() == [0] * (1 + half) + [1] * (half + 1)  # 2nd copy, EOS
   assert 75 <= repeated <= 125  # about half of 200
+  # An empty document stays a document (nothing to draw from).
+  always = DocumentOrCopyDrill(small_tokenizer, fraction=1.0, max_tokens=40)
+  empty = list(grain.MapDataset.source([{"text": ""}]).random_map(always, seed=0))[0]
+  assert empty["tokens"].tolist() == plain.map({"text": ""})["tokens"].tolist()
   # Another pass over the same documents (the next epoch's indices) draws other drills.
   again = list(grain.MapDataset.source([{"text": t} for t in texts]).repeat(2).random_map(
       drill, seed=3))[200:]
