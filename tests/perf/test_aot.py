@@ -74,6 +74,7 @@ def test_proxy_pretraining_fits_small_v5p_with_honest_flops():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tpu_compile_256k")
 def test_long_context_step_at_256k_tokens_compiles_for_v5p():
   """Phase 2's step at 262,144 tokens (the tiny model of experiments/extend_256k.py, one row
   split over 4 context shards, Ulysses into splash at the full row length, the 256k block
@@ -89,6 +90,45 @@ def test_long_context_step_at_256k_tokens_compiles_for_v5p():
   assert not report.unknown_trip_count_loops and not report.uncounted_kernels
   assert report.total_bytes < 16 << 30  # dense scores of one head would be 256 GiB
   assert report.collectives["all-to-all"] > 0  # sequence shards swapped for head shards
+
+
+_PROXY_256K_REPORT = """
+import dataclasses, json
+from c2 import config
+from c2.cli import load_experiment
+from c2.perf import aot
+report = aot.compile_step(config.from_config_dict(load_experiment("experiments/extend_256k.py:proxy")),
+                          "v5p:4x4x4")
+print(report.format())
+print("REPORT " + json.dumps({**dataclasses.asdict(report), "flop_ratio": report.flop_ratio,
+                              "total_bytes": report.total_bytes}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tpu_compile_256k")  # host memory: never beside the other 256k compile
+def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
+  """experiments/extend_256k.py:proxy as launched: the ~30B-A3B proxy, 8 rows of 262,144 tokens
+  on 64 v5p chips (expert 8 x context 8, each row over 8 context shards, Ulysses into splash at
+  the full row). Measured 2026-12-04: 60.1 of 95 GiB per device, FLOP ratio 1.788 (splash 91%),
+  613 GiB of collectives per device per step; compile 428 s alone (886 s beside other work) at
+  17.3 GB of host memory, so it runs in a subprocess whose memory returns to the OS at its end."""
+  import json, os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  run = subprocess.run([sys.executable, "-c", _PROXY_256K_REPORT], capture_output=True, text=True,
+                       env=env, timeout=1800, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  print("\n".join(l for l in run.stdout.splitlines() if not l.startswith("REPORT ")))
+  [line] = [l for l in run.stdout.splitlines() if l.startswith("REPORT ")]
+  report = json.loads(line[len("REPORT "):])
+  assert report["num_devices"] == 64 and report["mesh"]["context"] == 8
+  assert report["mesh"]["expert"] == 8
+  # The issue's bar for the chosen default: fits with >= 10% of HBM to spare.
+  assert report["total_bytes"] <= 0.9 * report["hbm_bytes"], report["total_bytes"] / 2**30
+  # The loops' trip counts and every kernel's FLOPs are known, so the ratio counts everything.
+  assert not report["unknown_trip_count_loops"] and not report["uncounted_kernels"]
+  assert 1.0 <= report["flop_ratio"] <= 1.85, report["flop_ratio"]  # measured 1.788
+  assert report["collectives"]["all-to-all"] > 0  # sequence shards swapped for head shards
 
 
 @pytest.mark.slow
