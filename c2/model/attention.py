@@ -57,8 +57,11 @@ class MLAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
-  def _weight(self, name, shape, axes):
-    return logical_param(self, name, shape, axes, default_init(), self.param_dtype).astype(self.dtype)
+  def _weight(self, name, shape, axes, contracted: int = 1):
+    """A kernel whose first `contracted` dims are summed over in its einsum (the fan-in)."""
+    dims = tuple(range(len(shape)))
+    init = default_init(in_axis=dims[:contracted], out_axis=dims[contracted:])
+    return logical_param(self, name, shape, axes, init, self.param_dtype).astype(self.dtype)
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
@@ -82,7 +85,7 @@ class MLAttention(nn.Module):
       w_qb = self._weight("q_b", (self.q_lora_rank, h, n + r), ("q_lora", "heads", "head_dim"))
     w_kva = self._weight("kv_a", (d, l + r), ("embed", "kv_lora"))
     kv_b = self._weight("kv_b", (l, h, n + j), ("kv_lora", "heads", "head_dim"))
-    w_out = self._weight("out", (h, j, d), ("heads", "head_dim", "embed"))
+    w_out = self._weight("out", (h, j, d), ("heads", "head_dim", "embed"), contracted=2)
     cos, sin = rotary_angles(positions, r, self.rope_theta, self.rope_scaling)  # [B, T, R/2]
 
     # The latents first: under latent context parallelism their all-gather needs nothing else,

@@ -17,9 +17,14 @@ from c2.parallel.sharding import constrain
 Initializer = Callable[..., jax.Array]
 
 
-def default_init(scale: float = 1.0) -> Initializer:
-  """Truncated-normal fan-in init over the contracted (leading) dims, as for a Linear layer."""
-  return nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
+def default_init(scale: float = 1.0, in_axis=-2, out_axis=-1, batch_axis=()) -> Initializer:
+  """Truncated-normal fan-in init, as for a Linear layer: the fan-in is the product of the
+  contracted dims `in_axis`, not counting `batch_axis` (a stack of independent matrices, like
+  the experts). A kernel with more than two dims must name them: flax's default (in -2, out -1)
+  counts every leading dim as fan-in, so [Q, H, K] would be scaled by 1/sqrt(Q x H) and a
+  stack of E experts [E, D, F] by 1/sqrt(E x D)."""
+  return nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=in_axis,
+                                          out_axis=out_axis, batch_axis=batch_axis)
 
 
 def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],

@@ -58,12 +58,13 @@ class MoE(nn.Module):
                                   self.param_dtype)
     # Float32 always: its updates are +-gamma steps far below bf16 resolution near 1.
     bias = logical_param(self, "correction_bias", (e,), (None,), nn.initializers.zeros, jnp.float32)
+    expert_init = default_init(batch_axis=(0,))  # E independent [in, out] matrices
     w_gate = logical_param(self, "gate", (e, d, f), ("experts", "embed", "expert_mlp"),
-                           default_init(), self.param_dtype).astype(self.dtype)
+                           expert_init, self.param_dtype).astype(self.dtype)
     w_up = logical_param(self, "up", (e, d, f), ("experts", "embed", "expert_mlp"),
-                         default_init(), self.param_dtype).astype(self.dtype)
+                         expert_init, self.param_dtype).astype(self.dtype)
     w_down = logical_param(self, "down", (e, f, d), ("experts", "expert_mlp", "embed"),
-                           default_init(), self.param_dtype).astype(self.dtype)
+                           expert_init, self.param_dtype).astype(self.dtype)
 
     tokens = x.reshape(b * t, d)
     forced = None if forced_routes is None else forced_routes.reshape(b * t, k)
