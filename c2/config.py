@@ -58,6 +58,9 @@ class DataConfig:
   # second copy is predictable only by looking back, the skill (induction) that copying a path
   # from the prompt into a tool call needs; the tiny model's 240 CPU steps of code lack it.
   repeat_fraction: float = 0.0
+  # A copy_drills source (c2/data/copy_drills.py): 0 copies a span of up to half a row right after
+  # itself; N > 0 copies spans of up to N tokens anywhere later in the row (far copies).
+  copy_drill_span: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +364,10 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   if data.repeat_fraction and exp.phase in ("sft", "rl"):
     raise ConfigError("config.data.repeat_fraction repeats language-modelling documents; the "
                       f"{exp.phase} phase does not read documents (set it to 0)")
+  if data.source.startswith("copy_drills:") and exp.phase in ("sft", "rl"):
+    raise ConfigError(f"config.data.source={data.source!r}: copy drills are language-modelling "
+                      f"rows; the {exp.phase} phase reads chats (run them as a pretraining "
+                      "phase: experiments/pretrain.py:copy_drills)")
   if data.min_doc_tokens and exp.phase in ("sft", "rl"):
     raise ConfigError("config.data.min_doc_tokens filters language-modelling documents; the "
                       f"{exp.phase} phase does not read documents (set it to 0)")

@@ -9,7 +9,8 @@ the main head rises. Rerunning the command resumes from the last checkpoint.
 Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/pretrain.py:full
   launch/run.sh --tpu NAME --zone ZONE --config experiments/pretrain.py:full --workdir gs://B/runs/cpt
-Variants: tiny | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
+Variants: tiny | copy_drills, copy_drills_128, copy_drills_512 (the RL pipeline's phase 1b,
+experiments/rl.py) | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
 --config.optim.peak_lr=1e-4.
 MTP attached from a mid-run checkpoint: --config.train.init_from=gs://B/runs/cpt/ckpt (the MTP
 modules the checkpoint lacks are freshly initialised, everything else restored).
@@ -32,6 +33,32 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
   if variant == "tiny":
     pass
+  elif variant in ("copy_drills", "copy_drills_128", "copy_drills_512"):
+    # Phase 1b of the tiny RL pipeline (experiments/rl.py): copy drills over the tokens of the
+    # oracle's tool-call arguments, until an induction circuit forms on them and reaches as far
+    # back as tool calls copy from (c2/data/copy_drills.py). Three runs, each from the previous
+    # one's checkpoint; the loss is on copies only, so MTP (it would distil the main head on random
+    # tokens) is off. Held-out copy loss, measured 2026-12-05 (alphabet entropy 5.58 nats):
+    #   copy_drills (from runs/tiny): rows of 48, each span copied right after itself. The
+    #     circuit formed between steps 1,500 and 1,750 (4.60 -> 1.02; 0.10 at 2,000), ~11 min.
+    #     It copies only nearby spans: copied up to 128 / 512 tokens away, 7.9 / 10.6 nats.
+    #   copy_drills_128: rows of 128, spans of up to 23 tokens copied anywhere later. 0.25 at
+    #     step 100 (the circuit stretches at once), ~1 minute.
+    #   copy_drills_512: rows of 512, the same. 0.34 / 0.28 / 0.31 at steps 100 / 200 / 300.
+    #   Going from rows of 48 straight to 512 did not work: 5.61 after 1,400 steps.
+    c.data.update(source="copy_drills:runs/agentic-data/train-*.jsonl", seq_len=48,
+                  global_batch_size=32)
+    c.optim.update(peak_lr=1e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=1.0)
+    c.train.update(steps=2000, max_minutes=None, eval_every=250, eval_batches=2,
+                   mtp_weight=0.0, z_loss_weight=0.0, balance_loss_weight=0.0)
+    c.checkpoint.update(every_steps=250, keep=2)
+    if variant != "copy_drills":
+      rows = int(variant.rsplit("_", 1)[1])
+      # float32 compute: faster than bfloat16 on CPU at these shapes (2.0 vs 1.7 steps/s at 512).
+      c.model.dtype = "float32"
+      c.data.update(seq_len=rows, global_batch_size={128: 12, 512: 4}[rows], copy_drill_span=23)
+      c.train.update(steps=200 if rows == 128 else 300, eval_every=100)
+      c.checkpoint.update(every_steps=100)
   elif variant == "proxy":
     layouts.proxy(c)
     c.data.update(source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
@@ -45,7 +72,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.train.update(steps=50000, eval_every=1000)
     c.checkpoint.update(every_steps=250)
   else:
-    raise ValueError(f"unknown variant {variant!r}; choose tiny, proxy or full")
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, copy_drills, copy_drills_128, copy_drills_512, proxy or full")
   return c
 
 

@@ -6,14 +6,21 @@ tests; advantages are group-relative (Dr. GRPO), the router replays the sampler'
 tokens lag the learner by at most rl.max_staleness versions. Weights go to the engines as
 snapshots and bf16 deltas (c2/rl/publication.py) while rollouts continue.
 
-The tiny pipeline (CPU, no download): pretrain -> tool-use SFT on oracle transcripts -> RL on the
-level-1 generated tasks (what was measured, and what is not reached yet, in the README section
+The tiny pipeline (CPU, no download): pretrain -> copy drills on the tokens the tasks copy (the
+induction circuit the tiny pretraining lacks, c2/data/copy_drills.py) -> tool-use SFT on oracle
+transcripts -> RL on the level-1 generated tasks (what was measured, and what is not reached yet, in the README section
 "Agentic RL"):
   python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
   python -m c2.envs.transcripts --out runs/agentic-data --count 1200 --levels 1 \
     --tools read_file,edit_file,finish --tool-declaration compact
-  python -m c2.main --config experiments/sft.py:agentic --workdir runs/sft-agentic \
+  python -m c2.main --config experiments/pretrain.py:copy_drills --workdir runs/copy-drills \
     --config.train.init_from=runs/tiny/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
+  python -m c2.main --config experiments/pretrain.py:copy_drills_128 --workdir runs/copy-128 \
+    --config.train.init_from=runs/copy-drills/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
+  python -m c2.main --config experiments/pretrain.py:copy_drills_512 --workdir runs/copy-512 \
+    --config.train.init_from=runs/copy-128/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
+  python -m c2.main --config experiments/sft.py:agentic --workdir runs/sft-agentic \
+    --config.train.init_from=runs/copy-512/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
   python -m c2.main --config experiments/rl.py:tiny --workdir runs/rl-tiny \
     --config.train.init_from=runs/sft-agentic/ckpt --config.data.tokenizer=runs/tiny/tokenizer.json
 The RL run prints the held-out pass rate (with a 95% confidence interval over tasks) at the start

@@ -6,7 +6,10 @@ from c2.cli import load_experiment
 
 
 @pytest.mark.parametrize("path", ["experiments/pretrain.py:tiny", "experiments/pretrain.py:proxy",
-                                  "experiments/pretrain.py:full"])
+                                  "experiments/pretrain.py:full",
+                                  "experiments/pretrain.py:copy_drills",
+                                  "experiments/pretrain.py:copy_drills_128",
+                                  "experiments/pretrain.py:copy_drills_512"])
 def test_experiment_variants_convert(path):
   exp = config_lib.from_config_dict(load_experiment(path))
   assert exp.phase == "pretrain"
@@ -70,6 +73,14 @@ def test_sft_needs_a_chat_source():
   c = _tiny()
   c.phase = "sft"
   assert "sft phase needs a chat JSONL" in _error(c)
+
+
+def test_copy_drills_are_a_pretraining_source():
+  c = load_experiment("experiments/pretrain.py:copy_drills")
+  assert config_lib.from_config_dict(c).data.source.startswith("copy_drills:")
+  c.phase = "sft"
+  message = _error(c)
+  assert "config.data.source='copy_drills:" in message and "pretrain.py:copy_drills" in message
 
 
 @pytest.mark.parametrize("variant", ["tiny", "full"])

@@ -58,11 +58,13 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
                   num_epochs: Optional[int] = None, text_field: str = "text",
                   sft_train_on: str = "current_turn", read_threads: int = 1,
                   num_workers: int = 0, min_doc_tokens: int = 0, repeat_fraction: float = 0.0,
+                  copy_drill_span: int = 0,
                   process_index: Optional[int] = None, process_count: Optional[int] = None,
                   batch_transform: Optional[Callable[[dict], dict]] = None) -> ShardedRows:
   """The checkpointable iterator of this process's [B_local, T] batches for a phase.
   min_doc_tokens (language modelling only): documents shorter than this are skipped.
-  repeat_fraction (language modelling only): copy drills (c2/data/examples.py)."""
+  repeat_fraction (language modelling only): copy drills (c2/data/examples.py).
+  copy_drill_span: the far-copy layout of a copy_drills source (c2/data/copy_drills.py)."""
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if global_batch_size % process_count:
@@ -73,7 +75,7 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
   make = pipeline.make_sft_iterator if phase == "sft" else pipeline.make_lm_iterator
   extra = ({"train_on": sft_train_on} if phase == "sft"
            else {"text_field": text_field, "min_example_tokens": min_doc_tokens,
-                 "repeat_fraction": repeat_fraction})
+                 "repeat_fraction": repeat_fraction, "copy_drill_span": copy_drill_span})
   return ShardedRows({
       shard: make(source_spec=source, tokenizer=tokenizer, seq_len=seq_len, batch_size=1,
                   seed=seed, process_index=shard, process_count=global_batch_size, split=split,

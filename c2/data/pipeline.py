@@ -19,8 +19,11 @@ batches, since each packs its own slice; evaluate a fixed number of batches on e
 """
 from __future__ import annotations
 
+import functools
+
 import grain
 
+from c2.data import copy_drills
 from c2.data import examples as examples_lib
 from c2.data import packing
 from c2.data import sources
@@ -93,6 +96,7 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
                      process_index: int | None = None, process_count: int | None = None,
                      split: str = "train", num_epochs: int | None = None,
                      text_field: str = "text", repeat_fraction: float = 0.0,
+                     copy_drill_span: int = 0,
                      **options) -> grain.DatasetIterator:
   """Language-modelling batches: documents `[BOS] text [EOS]`, every token a target.
 
@@ -100,15 +104,38 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
   (int32) and loss_mask (float32), each [batch_size, seq_len] (contract in c2/data/packing.py).
   `options` go to build_dataset (num_packing_bins, read_threads, num_workers,
   min_example_tokens). repeat_fraction: copy drills (examples_lib.DocumentOrCopyDrill).
+  A copy_drills source (c2/data/copy_drills.py) replaces documents; copy_drill_span sets its
+  far-copy layout.
   """
-  to_example = (examples_lib.DocumentOrCopyDrill(tokenizer, text_field, fraction=repeat_fraction,
-                                                 max_tokens=seq_len) if repeat_fraction
-                else examples_lib.DocumentToExample(tokenizer, text_field))
+  spec = sources.SourceSpec.parse(source_spec)
+  if spec.kind == "copy_drills":
+    to_example = make_copy_drill(spec, tokenizer, seq_len=seq_len, seed=seed,
+                                 max_span=copy_drill_span)
+  elif repeat_fraction:
+    to_example = examples_lib.DocumentOrCopyDrill(tokenizer, text_field, fraction=repeat_fraction,
+                                                  max_tokens=seq_len)
+  else:
+    to_example = examples_lib.DocumentToExample(tokenizer, text_field)
   dataset = build_dataset(
       source_spec=source_spec, to_example=to_example,
       seq_len=seq_len, batch_size=batch_size, pad_id=tokenizer.pad_id, seed=seed, split=split,
       process_index=process_index, process_count=process_count, num_epochs=num_epochs, **options)
   return iter(dataset)
+
+
+def make_copy_drill(spec: sources.SourceSpec, tokenizer: Tokenizer, *, seq_len: int,
+                    seed: int, max_span: int = 0) -> copy_drills.CopyDrill:
+  """The drill transform of a copy_drills source: its alphabet from the train transcripts (both
+  splits drill the same tokens)."""
+  ids, counts = _tool_call_alphabet(tuple(str(p) for p in spec.resolve_paths("train")), tokenizer)
+  return copy_drills.CopyDrill(tokenizer, ids, counts, row_tokens=seq_len, seed=seed,
+                               max_span=max_span)
+
+
+@functools.lru_cache(maxsize=4)  # one pipeline per data shard: tokenise the transcripts once
+def _tool_call_alphabet(paths: tuple[str, ...], tokenizer: Tokenizer):
+  records = sources.JsonlSource(paths)
+  return copy_drills.tool_call_alphabet([records[i] for i in range(len(records))], tokenizer)
 
 
 def make_sft_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokenizer,

@@ -9,6 +9,8 @@ shuffle globally and shard by index (c2/data/pipeline.py). Record schemas:
   * stdlib: {"text": file source}.
   * stdlib_chat: {"messages": [...]} (+ "tools") coding tasks built from the stdlib for SFT
     (c2/data/stdlib_chat.py).
+  * copy_drills: {"drill": index} records of copy drills over the tool-call tokens of the given
+    transcripts (c2/data/copy_drills.py; language modelling only).
 
 A source spec is a short string:
   "stdlib"                                      the embedded corpus (split = train / heldout)
@@ -16,6 +18,7 @@ A source spec is a short string:
   "jsonl:/data/{split}-*.jsonl"                 kind prefix, optional `{split}` placeholder, globs
   "gs://bucket/corpus/{split}.parquet"          kind inferred from the extension
   "arrayrecord:/data/a.array_record,/data/b.array_record"   comma-separated paths
+  "copy_drills:runs/agentic-data/train-*.jsonl" drills over those transcripts' tool-call tokens
 Without `{split}` the same files serve every split, so give evaluation its own spec.
 Paths go through etils.epath, so `gs://` works wherever epath has a GCS backend (gcsfs or TF).
 """
@@ -31,9 +34,9 @@ from etils import epath
 import grain
 import numpy as np
 
-from c2.data import stdlib_chat, stdlib_corpus
+from c2.data import copy_drills, stdlib_chat, stdlib_corpus
 
-KINDS = ("stdlib", "stdlib_chat", "jsonl", "parquet", "arrayrecord")
+KINDS = ("stdlib", "stdlib_chat", "jsonl", "parquet", "arrayrecord", "copy_drills")
 _EMBEDDED_KINDS = ("stdlib", "stdlib_chat")  # built in, no paths
 _EXTENSION_KIND = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet",
                    ".array_record": "arrayrecord", ".arrayrecord": "arrayrecord"}
@@ -222,6 +225,8 @@ def open_source(spec: str | SourceSpec, split: str):
     return StdlibSource(split)
   if spec.kind == "stdlib_chat":
     return stdlib_chat.StdlibChatSource(split)
+  if spec.kind == "copy_drills":  # the alphabet's transcripts are read by the drill transform
+    return copy_drills.DrillIndexSource(split)
   paths = spec.resolve_paths(split)
   source_class = {"jsonl": JsonlSource, "parquet": ParquetSource,
                   "arrayrecord": ArrayRecordSource}[spec.kind]

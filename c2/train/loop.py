@@ -109,7 +109,8 @@ def make_iterator(exp: ExperimentConfig, tokenizer: Tokenizer, split: str) -> It
         global_batch_size=d.global_batch_size, seed=d.seed, split="train",
         text_field=d.text_field, sft_train_on=d.sft_train_on, read_threads=d.read_threads,
         num_workers=d.num_workers, min_doc_tokens=d.min_doc_tokens,
-        repeat_fraction=d.repeat_fraction, batch_transform=transform)
+        repeat_fraction=d.repeat_fraction, copy_drill_span=d.copy_drill_span,
+        batch_transform=transform)
   return loader.make_iterator(
       phase=exp.phase, source=d.eval_source or d.source, tokenizer=tokenizer, seq_len=d.seq_len,
       global_batch_size=d.global_batch_size, seed=d.seed, split="heldout", num_epochs=None,
