@@ -136,7 +136,13 @@ def chat_segments(messages: Sequence[Mapping], tools: Sequence[Mapping] | None =
     role = message["role"]
     header(_ROLE_TOKENS.get(role, kimi_vocab.IM_SYSTEM), message.get("name") or role)
     if role == "assistant":
-      trained = index >= train_from
+      # "weight": 0 (OpenAI's fine-tuning format) keeps a reply as context without training on
+      # it, e.g. a deliberately wrong tool call that a recovery transcript answers with an error.
+      weight = 1 if message.get("weight") is None else message["weight"]  # None: Parquet's absent
+      if weight not in (0, 1):
+        raise ValueError(f"message {index}: an assistant message's weight is 0 or 1 (OpenAI's "
+                         f"fine-tuning format), got {weight!r}")
+      trained = index >= train_from and weight == 1
       # `or`, not a .get default: Parquet rows carry absent keys as None.
       reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
       special(kimi_vocab.THINK_BEGIN, trained)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -50,14 +51,41 @@ def _reply(calls: Sequence[dict], reasoning: str, as_text: bool, thinking: bool)
       for i, (name, arguments) in enumerate(pairs)]}
 
 
+def slipped_edit(call: dict) -> dict:
+  """An edit_file call that cannot apply: it searches for its own replacement text.
+
+  The commonest mistake of a small sampled policy (measured on the tiny SFT model): it copies the
+  new text (the prompt's value, the new name) where the file's current text belongs. The
+  environment answers "the search text does not occur", so a transcript with a slip then shows
+  how to recover from the error.
+  """
+  arguments = call["arguments"]
+  return {"name": "edit_file", "arguments": {**arguments, "search": arguments["replace"]}}
+
+
 class OraclePolicy:
-  def __init__(self, task: Task, *, as_text: bool = True, thinking: bool = True):
+  """Replays task.solution. With `slip_seed` set, one edit_file call (chosen by that seed) is
+  preceded by a slipped_edit of itself; `slip_turns` then lists the reply indices of the slips,
+  so a transcript can keep them as context without training on them (weight 0)."""
+
+  def __init__(self, task: Task, *, as_text: bool = True, thinking: bool = True,
+               slip_seed: Optional[int] = None):
     if not task.solution:
       raise ValueError(f"task {task.task_id} has no oracle solution (external tasks have none)")
     solution = list(task.solution)
     if solution[-1]["name"] != "finish":
       solution.append({"name": "finish", "arguments": {"message": "Done."}})
+    self.slip_turns: list[int] = []
+    edits = [i for i, c in enumerate(solution) if c["name"] == "edit_file"
+             and c["arguments"]["replace"] not in c["arguments"]["search"]]
+    if slip_seed is not None and edits:
+      at = edits[random.Random(slip_seed).randrange(len(edits))]
+      solution.insert(at, slipped_edit(solution[at]))
     self._turns = list(_turns(solution))
+    if slip_seed is not None and edits:
+      # Each edit is a turn of its own (_turns), so the slip is the turn holding call `at`.
+      self.slip_turns = [next(t for t, turn in enumerate(self._turns)
+                              if any(c["arguments"] is solution[at]["arguments"] for c in turn))]
     self._as_text, self._thinking, self._next = as_text, thinking, 0
 
   def __call__(self, messages: list[dict]):

@@ -134,3 +134,15 @@ def test_message_text_cannot_forge_special_tokens(small_tokenizer):
   assert rendered.token_ids.count(im_end) == 1
   assert small_tokenizer.special_id("<|im_assistant|>") not in rendered.token_ids
   assert not any(rendered.assistant_mask)
+
+
+def test_weight_zero_keeps_a_reply_as_context_only(small_tokenizer):
+  messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0},
+              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d",
+                                                 "weight": None}]  # None: Parquet's absent key
+  rendered = chat.render_chat(small_tokenizer, messages)
+  assert masked_runs(small_tokenizer, rendered) == ["<think></think>d<|im_end|>"]
+  assert small_tokenizer.decode(rendered.token_ids).count("b<|im_end|>") == 1  # still in context
+  with pytest.raises(ValueError, match="message 1: an assistant message's weight is 0 or 1"):
+    chat.render_chat(small_tokenizer, [{"role": "user", "content": "a"},
+                                       {"role": "assistant", "content": "b", "weight": 0.5}])

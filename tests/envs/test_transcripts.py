@@ -38,3 +38,30 @@ def test_transcripts_are_graded_rollouts_in_the_sft_schema(tmp_path, tokenizer_5
   # Tool outputs are context: the tokens of a tool reply's header are never trained.
   tool_header = tokenizer.special_id(kimi_vocab.IM_SYSTEM)
   assert (tokens == tool_header).sum() >= len(assistant_turns) and not mask[tokens == tool_header].any()
+
+
+def test_slipped_edits_are_context_and_the_recovery_is_trained(tokenizer_512):
+  tokenizer = load_tokenizer(str(tokenizer_512))
+  tasks = task_generator.generate(0, 4, split="train", levels=(1,))
+  records = list(transcripts.oracle_transcripts(tasks, workers=2, slip_fraction=1.0))
+  for record, task in zip(records, tasks):
+    messages = record["messages"]
+    slips = [i for i, m in enumerate(messages) if m.get("weight") == 0]
+    assert len(slips) == 1, task.task_id
+    slip = messages[slips[0]]["tool_calls"][0]["function"]
+    arguments = json.loads(slip["arguments"])
+    assert slip["name"] == "edit_file" and arguments["search"] == arguments["replace"]
+    assert messages[slips[0] + 1]["content"].startswith("Error: edit_file: the search text")
+    # The next reply is the same edit done right, and the rollout still scored 1.0 (else raised).
+    retry = json.loads(messages[slips[0] + 2]["tool_calls"][0]["function"]["arguments"])
+    assert retry["replace"] == arguments["replace"] and retry["search"] != arguments["search"]
+    # Loss on every assistant reply but the slip: its tokens are in the row, never in the mask.
+    example = ConversationToExample(tokenizer).map(record)
+    tokens, mask = example["tokens"], example["loss_mask"].astype(bool)
+    begin = tokenizer.special_id(kimi_vocab.TOOL_CALL_BEGIN)
+    replies = [m for m in messages if m["role"] == "assistant"]
+    assert (tokens == begin).sum() == len(replies) and mask[tokens == begin].sum() == len(replies) - 1
+  # A slip fraction of 0 reproduces the plain transcripts exactly.
+  plain = list(transcripts.oracle_transcripts(tasks[:2], workers=2))
+  assert plain == list(transcripts.oracle_transcripts(tasks[:2], workers=2, slip_fraction=0.0))
+  assert not any("weight" in m for r in plain for m in r["messages"])
