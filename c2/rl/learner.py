@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import pickle
 import time
@@ -210,6 +211,20 @@ def evaluate(learner: Learner, version: int, timeout: float = 3600.0) -> dict:
     except Exception:  # pylint: disable=broad-except
       results.append((task_id, False))  # an eval rollout that dies counts as a failure
   out = {f"eval/{k}": v for k, v in rl_metrics.pass_rate(results).items()}
+  # Per-task rates kept beside the checkpoints (they survive a resume), so every later evaluation
+  # states its change against the start, paired over the same tasks.
+  per_task = rl_metrics.per_task_pass_rates(results)
+  directory = os.path.join(learner.workdir, "rl")
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"heldout-pass-{version:09d}.json")
+  with open(f"{path}.tmp", "w") as f:
+    json.dump(per_task, f)
+  os.replace(f"{path}.tmp", path)
+  start_path = os.path.join(directory, f"heldout-pass-{0:09d}.json")
+  if version > 0 and os.path.exists(start_path):
+    with open(start_path) as f:
+      out.update({f"eval/{k}": v for k, v in rl_metrics.pass_rate_change(
+          json.load(f), per_task).items()})
   # Best-of-K beside the mean (report section 4.10): unbiased pass@k over the task's samples.
   passed = collections.defaultdict(list)
   for task_id, ok in results:
@@ -329,7 +344,12 @@ def save(learner: Learner) -> None:
 
 
 def _format_rate(m: dict) -> str:
-  return (f"{m.get('eval/pass_rate', float('nan')):.3f} (95% CI "
-          f"{m.get('eval/pass_rate_ci_low', float('nan')):.3f}-"
+  text = (f"{m.get('eval/pass_rate', float('nan')):.3f} (95% CI "
+          f"{m.get('eval/pass_rate_ci_low', float('nan')):.3f} to "
           f"{m.get('eval/pass_rate_ci_high', float('nan')):.3f}, "
           f"{m.get('eval/rollouts', 0):.0f} rollouts)")
+  if "eval/pass_rate_change" in m:
+    text += (f"; change since step 0 {m['eval/pass_rate_change']:+.3f} (paired 95% CI "
+             f"{m['eval/pass_rate_change_ci_low']:+.3f} to "
+             f"{m['eval/pass_rate_change_ci_high']:+.3f})")
+  return text

@@ -3,10 +3,15 @@
   rollout_metrics(groups, step)     rewards (mean and per component), pass rate, lengths, turns,
                                     tool calls, summaries, staleness of the step's groups
   pass_rate(results)                held-out pass rate with a 95% confidence interval
+  per_task_pass_rates(results)      task id -> fraction of its rollouts that passed
+  pass_rate_change(start, end)      paired change of the pass rate over the same tasks, 95% CI
   train_sequences(groups)           the groups as c2.rl.packing.TrainSequence, with advantages
 
 The interval treats tasks as the unit of sampling (rollouts of one task are correlated): the mean
-of the per-task pass rates, +- 1.96 standard errors of those means (t-free; fine from ~30 tasks).
+of the per-task pass rates, +- 1.96 standard errors of those means (t-free; fine from ~30 tasks),
+clipped to [0, 1]. A change between two evaluations of the same tasks is judged paired, task by
+task: the shared difficulty of a task cancels, so the interval of the change is narrower than the
+two intervals side by side suggest.
 """
 from __future__ import annotations
 
@@ -49,19 +54,40 @@ def rollout_metrics(groups: Sequence, step: int) -> dict[str, float]:
   return out
 
 
-def pass_rate(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
-  """(task_id, passed) per rollout -> mean, 95% CI (over tasks), counts."""
+def _mean_and_half_width(values: np.ndarray) -> tuple[float, float]:
+  n = len(values)
+  half = 1.96 * float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+  return float(values.mean()), half
+
+
+def per_task_pass_rates(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
   by_task = collections.defaultdict(list)
   for task_id, passed in results:
     by_task[task_id].append(float(passed))
-  means = np.array([np.mean(v) for v in by_task.values()])
-  n = len(means)
-  if n == 0:
+  return {task_id: float(np.mean(v)) for task_id, v in by_task.items()}
+
+
+def pass_rate(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
+  """(task_id, passed) per rollout -> mean, 95% CI (over tasks), counts."""
+  results = list(results)
+  means = np.array(list(per_task_pass_rates(results).values()))
+  if len(means) == 0:
     return {}
-  mean = float(means.mean())
-  half = 1.96 * float(means.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
-  return {"pass_rate": mean, "pass_rate_ci_low": mean - half, "pass_rate_ci_high": mean + half,
-          "tasks": float(n), "rollouts": float(sum(len(v) for v in by_task.values()))}
+  mean, half = _mean_and_half_width(means)
+  return {"pass_rate": mean, "pass_rate_ci_low": max(0.0, mean - half),
+          "pass_rate_ci_high": min(1.0, mean + half), "tasks": float(len(means)),
+          "rollouts": float(len(results))}
+
+
+def pass_rate_change(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+  """Per-task pass rates at two evaluations -> the mean change over their shared tasks and its
+  paired 95% CI. A rise is beyond noise when pass_rate_change_ci_low > 0."""
+  shared = sorted(set(start) & set(end))
+  if not shared:
+    return {}
+  change, half = _mean_and_half_width(np.array([end[t] - start[t] for t in shared]))
+  return {"pass_rate_change": change, "pass_rate_change_ci_low": change - half,
+          "pass_rate_change_ci_high": change + half}
 
 
 def train_sequences(groups: Sequence) -> list[TrainSequence]:
