@@ -61,7 +61,12 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
               kl_coef=0.0)
 
   if variant == "tiny":
-    pass
+    # While few rollouts pass, penalties on failed rollouts are most of the reward's variance: with
+    # the defaults the tiny policy learned to call no tool at all (1.3 calls per rollout at step 5,
+    # none from step 30; measured 2026-12-05). Failed rollouts are therefore not charged for their
+    # length, and malformed calls cost nothing beyond the tests they fail.
+    c.env.reward.length.apply_to_failed = False
+    c.env.reward.penalty_weights.malformed_tool_calls = 0.0
   elif variant == "full":
     layouts.full(c)
     # Rollout contexts up to 64k tokens, packed 2 rows x 32k per (fsdp, expert) shard pair; the

@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "replacement as the search text, fails, and is then made right (the "
                            "failed reply is kept with weight 0: context, not trained on)")
   parser.add_argument("--levels", default=None,
-                      help="comma-separated difficulty levels of task_generator.LADDER (default: all)")
+                      help="comma-separated levels of task_generator.LADDER (default: all)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   config = EnvConfig(tool_declaration=args.tool_declaration)
@@ -122,7 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   levels = tuple(int(v) for v in args.levels.split(",")) if args.levels else None
   counts = {"train": args.count, "heldout": args.heldout_count or max(1, args.count // 4)}
   for split in SPLITS:
-    tasks = task_generator.generate(args.seed, counts[split], split=split, **({"levels": levels} if levels else {}))
+    tasks = task_generator.generate(args.seed, counts[split], split=split,
+                                    **({"levels": levels} if levels else {}))
     path = os.path.join(args.out, f"{split}-00000.jsonl")
     written = write_split(path, oracle_transcripts(tasks, config, workers=args.workers,
                                                       slip_fraction=args.slip_fraction,

@@ -60,7 +60,8 @@ def test_slipped_edits_are_context_and_the_recovery_is_trained(tokenizer_512):
     tokens, mask = example["tokens"], example["loss_mask"].astype(bool)
     begin = tokenizer.special_id(kimi_vocab.TOOL_CALL_BEGIN)
     replies = [m for m in messages if m["role"] == "assistant"]
-    assert (tokens == begin).sum() == len(replies) and mask[tokens == begin].sum() == len(replies) - 1
+    assert (tokens == begin).sum() == len(replies)
+    assert mask[tokens == begin].sum() == len(replies) - 1
   # A slip fraction of 0 reproduces the plain transcripts exactly.
   plain = list(transcripts.oracle_transcripts(tasks[:2], workers=2))
   assert plain == list(transcripts.oracle_transcripts(tasks[:2], workers=2, slip_fraction=0.0))
