@@ -78,14 +78,14 @@ class OraclePolicy:
     self.slip_turns: list[int] = []
     edits = [i for i, c in enumerate(solution) if c["name"] == "edit_file"
              and c["arguments"]["replace"] not in c["arguments"]["search"]]
+    slip = None
     if slip_seed is not None and edits:
       at = edits[random.Random(slip_seed).randrange(len(edits))]
-      solution.insert(at, slipped_edit(solution[at]))
+      slip = slipped_edit(solution[at])
+      solution.insert(at, slip)
     self._turns = list(_turns(solution))
-    if slip_seed is not None and edits:
-      # Each edit is a turn of its own (_turns), so the slip is the turn holding call `at`.
-      self.slip_turns = [next(t for t, turn in enumerate(self._turns)
-                              if any(c["arguments"] is solution[at]["arguments"] for c in turn))]
+    if slip is not None:  # an edit is a turn of its own (_turns)
+      self.slip_turns = [next(t for t, turn in enumerate(self._turns) if turn[0] is slip)]
     self._as_text, self._thinking, self._next = as_text, thinking, 0
 
   def __call__(self, messages: list[dict]):

@@ -76,10 +76,8 @@ class Learner:
 # file per checkpointed step, written before it) and a resume trains them: no group is half lost.
 def save_leftover(directory: str, step: int, sequences: list) -> None:
   os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, f"leftover-{step:09d}.pkl")
-  with open(f"{path}.tmp", "wb") as f:
-    pickle.dump(sequences, f)
-  os.replace(f"{path}.tmp", path)
+  publication.write_atomic(os.path.join(directory, f"leftover-{step:09d}.pkl"),
+                           pickle.dumps(sequences))
 
 
 def load_leftover(directory: str, step: int) -> list:
@@ -216,10 +214,8 @@ def evaluate(learner: Learner, version: int, timeout: float = 3600.0) -> dict:
   per_task = rl_metrics.per_task_pass_rates(results)
   directory = os.path.join(learner.workdir, "rl")
   os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, f"heldout-pass-{version:09d}.json")
-  with open(f"{path}.tmp", "w") as f:
-    json.dump(per_task, f)
-  os.replace(f"{path}.tmp", path)
+  publication.write_atomic(os.path.join(directory, f"heldout-pass-{version:09d}.json"),
+                           json.dumps(per_task).encode())
   start_path = os.path.join(directory, f"heldout-pass-{0:09d}.json")
   if version > 0 and os.path.exists(start_path):
     with open(start_path) as f:

@@ -88,7 +88,8 @@ def _decode(raw: bytes) -> tuple[dict[str, np.ndarray], dict]:
   return arrays, json.loads(arrays.pop("__meta__").tobytes())
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+  """Writes `data` to `path` so that readers see the old file or the whole new one."""
   tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
   with open(tmp, "wb") as f:
     f.write(data)
@@ -143,7 +144,7 @@ class WeightStore:
     manifest = {"dtype": self.dtype_name, "snapshot_every": self.snapshot_every,
                 "published_count": self._published_count, "last_version": self._last_version,
                 "records": [dataclasses.asdict(r) for r in self._records]}
-    _write_atomic(os.path.join(self.directory, MANIFEST), json.dumps(manifest).encode())
+    write_atomic(os.path.join(self.directory, MANIFEST), json.dumps(manifest).encode())
 
   def records(self) -> list[PublishRecord]:
     with self._lock:
@@ -196,7 +197,7 @@ class WeightStore:
               "shapes": [list(x.shape) for x in leaves.values()]}
       data = _encode(arrays, meta)
       name = f"{version:010d}.{kind}.npz.z"
-      _write_atomic(os.path.join(self.directory, name), data)
+      write_atomic(os.path.join(self.directory, name), data)
       record = PublishRecord(version=version, kind=kind,
                              base=None if base is None else self._records[-1].version,
                              file=name, nbytes=len(data), changed=int(changed), total=int(total),

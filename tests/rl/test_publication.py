@@ -201,7 +201,7 @@ def test_async_publisher_reraises_writer_errors(tmp_path, monkeypatch):
   def failing_write(path, data):
     raise OSError(f"disk full writing {path}")
 
-  monkeypatch.setattr(publication, "_write_atomic", failing_write)
+  monkeypatch.setattr(publication, "write_atomic", failing_write)
   publisher.publish(2, chain[1])
   with pytest.raises(RuntimeError, match="weight publication") as info:
     publisher.wait()
