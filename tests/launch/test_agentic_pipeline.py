@@ -1,0 +1,61 @@
+"""launch/agentic_pipeline.sh by dry run: the phases in order, each run from the last one's
+checkpoint, and every c2.main command through c2.main's own parser."""
+import subprocess
+import sys
+
+from launchtest import REPO_ROOT, commands, parse_c2
+
+
+def _modules(argv):
+  return argv[argv.index("-m") + 1]
+
+
+def _flag(argv, name):
+  (value,) = [a.split("=", 1)[1] for a in argv if a.startswith(f"--config.{name}=")]
+  return value
+
+
+def test_three_sft_rounds_chain_their_checkpoints_and_the_last_uses_recovery_data(launch):
+  out = launch("agentic_pipeline.sh", "--dry-run", "--", "--config.train.steps=7").stdout
+  argvs = commands(out)
+  assert [_modules(a) for a in argvs] == ["c2.main", "c2.envs.transcripts"] + ["c2.main"] * 5 + [
+      "c2.envs.transcripts", "c2.main", "c2.main"]
+  runs = {}
+  for argv in argvs:
+    if _modules(argv) == "c2.main":
+      exp, values = parse_c2(argv)
+      runs[values["workdir"].value] = (exp, argv)
+  assert list(runs) == ["runs/tiny", "runs/copy-drills", "runs/copy-128", "runs/copy-512",
+                        "runs/sft-agentic", "runs/sft-agentic-2", "runs/sft-agentic-3",
+                        "runs/rl-tiny"]
+  workdirs = list(runs)
+  for previous, workdir in zip(workdirs, workdirs[1:]):
+    exp, _ = runs[workdir]
+    assert exp.train.init_from == f"{previous}/ckpt", workdir
+    assert exp.data.tokenizer == "runs/tiny/tokenizer.json"
+  assert runs["runs/sft-agentic-2"][0].data.source == "jsonl:runs/agentic-data/{split}-*.jsonl"
+  assert runs["runs/sft-agentic-3"][0].data.source == "jsonl:runs/agentic-slip/{split}-*.jsonl"
+  assert runs["runs/rl-tiny"][0].train.steps == 7   # the overrides reach the RL run only
+  assert runs["runs/sft-agentic-3"][0].train.steps == 140
+  slip = argvs[7]
+  assert slip[slip.index("--slip-fraction") + 1] == "0.5" and "--out" in slip
+  # Every transcripts flag the script passes is one the module accepts.
+  usage = subprocess.run([sys.executable, "-m", "c2.envs.transcripts", "--help"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout
+  for argv in (argvs[1], slip):
+    for word in argv:
+      if word.startswith("--"):
+        assert word in usage, word
+
+
+def test_one_sft_round_uses_the_oracle_transcripts_only(launch):
+  argvs = commands(launch("agentic_pipeline.sh", "--sft-rounds", "1", "--dry-run").stdout)
+  assert not any("--slip-fraction" in a for a in argvs)
+  exp, values = parse_c2(argvs[-1])
+  assert values["workdir"].value == "runs/rl-tiny"
+  assert exp.train.init_from == "runs/sft-agentic/ckpt"
+
+
+def test_bad_round_count_names_the_flag(launch):
+  proc = launch("agentic_pipeline.sh", "--sft-rounds", "0", "--dry-run", check=False)
+  assert proc.returncode != 0 and "--sft-rounds" in proc.stderr
