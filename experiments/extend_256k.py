@@ -30,6 +30,14 @@ for all three models, and retrieval_nats (what the needle is worth) within noise
 (retrieval_nats 0.02, -0.04), so this tiny model has no retrieval to extend: the teacher-forced
 answer nats fall (niah_single at 2048: 28.9 / 28.2 / 26.2) from better digit statistics, not from
 reading the needle. A retrieval result needs a model that retrieves at its trained length first.
+The copy-drilled checkpoint of the agentic pipeline (runs/copy-512, launch/agentic_pipeline.sh:
+runs/tiny plus copy drills on rows of 48, 128 and 512 tokens) is one; RULER at 256 / 512 tokens,
+8 examples per task (measured 2026-12-05; runs/tiny on the left):
+  retrieval_nats  niah_single 0.00 / -0.31 -> 27.6 / 21.2   niah_multikey -0.08 / -0.09 -> 21.9 / 18.4
+                  niah_code 0.09 / 2.7 -> 12.5 / 17.0       variable_tracking -0.08 / -0.11 -> -0.49 / 0.01
+  accuracy        niah_single 0 / 0 -> 0.125 / 0            (the rest 0)
+so the extension's retrieval result is to be measured from it (--config.train.init_from=
+runs/copy-512/ckpt, lengths 1024 and 2048); not yet run.
 
 Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/extend_256k.py:full

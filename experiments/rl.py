@@ -8,8 +8,10 @@ snapshots and bf16 deltas (c2/rl/publication.py) while rollouts continue.
 
 The tiny pipeline (CPU, no download): pretrain -> copy drills on the tokens the tasks copy (the
 induction circuit the tiny pretraining lacks, c2/data/copy_drills.py) -> tool-use SFT on oracle
-transcripts -> RL on the level-1 generated tasks (what was measured, and what is not reached yet, in the README section
-"Agentic RL"):
+transcripts -> RL on the level-1 generated tasks (what was measured, and what is not reached yet,
+in the README section "Agentic RL"). One command runs all of it, resumable, and writes the minutes
+per phase to runs/pipeline-times.tsv: `launch/agentic_pipeline.sh` (three SFT rounds, the last on
+recovery transcripts). Its steps with `--sft-rounds 1`, one by one:
   python -m c2.main --config experiments/pretrain.py:tiny --workdir runs/tiny
   python -m c2.envs.transcripts --out runs/agentic-data --count 1200 --levels 1 \
     --tools read_file,edit_file,finish --tool-declaration compact
@@ -73,10 +75,10 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # lr 3e-4 walked the policy into never calling a tool at step 29; lr 1.5e-4 with a k1 KL
     # anchor to the SFT policy did not collapse in 30 steps and rose 0.039 -> 0.055 held out
     # (measured 2026-12-05, README "Agentic RL"). Four samples per held-out task, not two,
-    # narrow the interval's sampling part by sqrt(2); evaluations at steps 0, 25 and 50.
+    # narrow the interval's sampling part by sqrt(2); evaluations at steps 0 and 50 (each ~4 min).
     c.optim.peak_lr = 1.5e-4
     c.train.steps = 50
-    c.rl.update(kl_coef=0.05, eval_samples=4, eval_every=25)
+    c.rl.update(kl_coef=0.05, eval_samples=4, eval_every=50)
   elif variant == "full":
     layouts.full(c)
     # Rollout contexts up to 64k tokens, packed 2 rows x 32k per (fsdp, expert) shard pair; the
