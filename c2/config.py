@@ -59,7 +59,8 @@ class DataConfig:
   # from the prompt into a tool call needs; the tiny model's 240 CPU steps of code lack it.
   repeat_fraction: float = 0.0
   # A copy_drills source (c2/data/copy_drills.py): 0 copies a span of up to half a row right after
-  # itself; N > 0 copies spans of up to N tokens anywhere later in the row (far copies).
+  # itself; N > 0 copies spans of up to N tokens anywhere later in the row (far copies). With
+  # repeat_fraction, N > 0 copies a span of the document over a later part of it (needles).
   copy_drill_span: int = 0
 
 
@@ -105,6 +106,9 @@ class TrainConfig:
   # "codebase,long_context"); "" runs none. Scalars eval/<suite>/..., figures in workdir/evals.
   eval_suites: str = ""
   eval_suites_every: int = 0  # steps between suite runs (and at the end); 0: train.eval_every
+  # Also evaluate (held-out loss and the suites) at step 0 of a fresh run: the start
+  # checkpoint's figures on this run's model settings (a new RoPE range), in the same curves.
+  eval_at_start: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

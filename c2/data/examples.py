@@ -43,29 +43,42 @@ class DocumentToExample(grain.transforms.Map):
 
 class DocumentOrCopyDrill(grain.transforms.RandomMap):
   """DocumentToExample, except that a `fraction` of the documents become copy drills
-  (config.data.repeat_fraction): `[BOS] a a [EOS]`, `a` 8 to (max_tokens - 2) // 2 tokens drawn
-  from the document's distinct tokens (without replacement where there are enough), so both
-  copies land in one row of max_tokens; only the second copy and EOS carry loss.
+  (config.data.repeat_fraction), in one of two layouts (config.data.copy_drill_span):
 
-  Predicting the second copy needs attention to the first (induction), the skill that copying a
-  path or a name from the prompt into a tool call rests on. The draws come from grain's
-  per-element generator (seeded by the pipeline seed and the element's index), so a document
-  gives a different drill on every pass: drills fixed per document were measured to be
+  max_span 0, repeats: `[BOS] a a [EOS]`, `a` 8 to (max_tokens - 2) // 2 tokens drawn from the
+  document's distinct tokens (without replacement where there are enough), so both copies land
+  in one row of max_tokens; only the second copy and EOS carry loss.
+  max_span N, needles: the document itself, its first max_tokens - 1 tokens after BOS, with a span
+  of 8 to N of its tokens copied over a later stretch of it, anywhere up to the row's end; only
+  the copy carries loss (its first token excepted: nothing predicts where a copy starts). The
+  long-context phase's synthetic retrieval data: a needle in a haystack of real text, read back
+  from as far as the row reaches, which natural documents alone teach too rarely (measured in
+  experiments/extend_256k.py).
+
+  Predicting a copy needs attention to the original (induction), the skill that copying a path
+  or a name from the prompt into a tool call, or reading a needle back, rests on. The draws come
+  from grain's per-element generator (seeded by the pipeline seed and the element's index), so a
+  document gives a different drill on every pass: drills fixed per document were measured to be
   memorised by the tiny model (the small corpus is seen for epochs), teaching no copying; so
   were the document's own first tokens, repeated. A random length keeps the second copy from
   starting at a fixed position a fixed-offset head could exploit.
   """
 
   def __init__(self, tokenizer: Tokenizer, text_field: str = "text", *, fraction: float,
-               max_tokens: int):
+               max_tokens: int, max_span: int = 0):
+    if max_span and not 8 <= max_span <= (max_tokens - 1) // 2:
+      raise ValueError(f"config.data.copy_drill_span={max_span} must be 0 or in "
+                       f"[8, {(max_tokens - 1) // 2}] (half a row of seq_len={max_tokens})")
     self._tokenizer, self._text_field = tokenizer, text_field
-    self._fraction, self._max_tokens = fraction, max_tokens
+    self._fraction, self._max_tokens, self._max_span = fraction, max_tokens, max_span
     self._document = DocumentToExample(tokenizer, text_field)
 
   def random_map(self, record: Mapping[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
     if rng.random() >= self._fraction:
       return self._document.map(record)
     body = self._tokenizer.encode(record[self._text_field])
+    if self._max_span:
+      return self._needle(body, rng) if len(body) >= 16 else self._document.map(record)
     if not body:  # an empty document has no tokens to draw from: it stays a document
       return self._document.map(record)
     length = int(rng.integers(8, max(9, (self._max_tokens - 2) // 2 + 1)))
@@ -77,6 +90,17 @@ class DocumentOrCopyDrill(grain.transforms.RandomMap):
     mask = np.zeros(len(ids), np.int32)
     mask[1 + length:] = 1
     return _example(ids, mask)
+
+  def _needle(self, body: list, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    tokens = np.asarray(body[:self._max_tokens - 1], np.int32)
+    n = len(tokens)
+    span = int(rng.integers(8, min(self._max_span, n // 2) + 1))
+    start = int(rng.integers(0, n - 2 * span + 1))
+    copy = int(rng.integers(start + span, n - span + 1))  # anywhere after the original
+    tokens[copy:copy + span] = tokens[start:start + span]
+    mask = np.zeros(n + 1, np.int32)  # positions count from BOS at 0
+    mask[1 + copy + 1:1 + copy + span] = 1
+    return _example(np.concatenate([[self._tokenizer.bos_id], tokens]), mask)
 
 
 def _maybe_json(value: Any) -> Any:

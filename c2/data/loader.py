@@ -64,7 +64,8 @@ def make_iterator(*, phase: str, source: str, tokenizer: Tokenizer, seq_len: int
   """The checkpointable iterator of this process's [B_local, T] batches for a phase.
   min_doc_tokens (language modelling only): documents shorter than this are skipped.
   repeat_fraction (language modelling only): copy drills (c2/data/examples.py).
-  copy_drill_span: the far-copy layout of a copy_drills source (c2/data/copy_drills.py)."""
+  copy_drill_span: the far-copy layout of a copy_drills source (c2/data/copy_drills.py), or of
+  the repeat_fraction drills (needles within the document)."""
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if global_batch_size % process_count:

@@ -103,7 +103,8 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
   Returns a grain DatasetIterator yielding dicts of numpy arrays tokens / segment_ids / positions
   (int32) and loss_mask (float32), each [batch_size, seq_len] (contract in c2/data/packing.py).
   `options` go to build_dataset (num_packing_bins, read_threads, num_workers,
-  min_example_tokens). repeat_fraction: copy drills (examples_lib.DocumentOrCopyDrill).
+  min_example_tokens). repeat_fraction: copy drills in documents
+  (examples_lib.DocumentOrCopyDrill; copy_drill_span > 0: needles copied within the document).
   A copy_drills source (c2/data/copy_drills.py) replaces documents; copy_drill_span sets its
   far-copy layout.
   """
@@ -113,7 +114,7 @@ def make_lm_iterator(*, source_spec: str | sources.SourceSpec, tokenizer: Tokeni
                                  max_span=copy_drill_span)
   elif repeat_fraction:
     to_example = examples_lib.DocumentOrCopyDrill(tokenizer, text_field, fraction=repeat_fraction,
-                                                  max_tokens=seq_len)
+                                                  max_tokens=seq_len, max_span=copy_drill_span)
   else:
     to_example = examples_lib.DocumentToExample(tokenizer, text_field)
   dataset = build_dataset(

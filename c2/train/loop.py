@@ -234,6 +234,15 @@ def heldout_unigram_entropy(exp: ExperimentConfig, tokenizer: Tokenizer) -> floa
   return corpus_stats.target_unigram_entropy(next(iterator) for _ in range(exp.train.eval_batches))
 
 
+def _evaluate_at_start(run: Run, writer: MetricWriter) -> None:
+  """Step-0 held-out loss and suites: what the run starts from, under this run's model config."""
+  eval_metrics = evaluate(run, run.state.params)
+  writer.write_scalars(0, eval_metrics)
+  print(f"step 0: eval/ce {eval_metrics.get('eval/ce', float('nan')):.4f}", flush=True)
+  if run.exp.train.eval_suites:
+    run_eval_suites(run, writer, 0)
+
+
 def _write_run_header(run: Run, writer: MetricWriter) -> None:
   """Config, parameter counts and the held-out unigram entropy, once at step 0."""
   counts = flops.param_counts(run.exp.model)
@@ -336,6 +345,8 @@ def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None)
   if int(jax.device_get(run_.state.step)) == 0:
     with run_.program.context():
       _write_run_header(run_, writer)
+      if exp.train.eval_at_start:
+        _evaluate_at_start(run_, writer)
   metrics = train_loop(run_, writer, min(exp.train.steps, max_steps or exp.train.steps))
   run_.checkpointer.close()
   writer.close()

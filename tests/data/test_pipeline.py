@@ -176,3 +176,37 @@ def test_copy_drills_repeat_a_fresh_shuffled_part_of_the_chosen_share_of_documen
         body = row[segments == segment][1:-1]  # without BOS and EOS
         half = len(body) // 2
         assert len(body) == 2 * half and np.array_equal(body[:half], body[half:])
+
+
+def test_needle_drills_copy_a_span_of_the_document_over_a_later_part_of_it(small_tokenizer):
+  """data.repeat_fraction with data.copy_drill_span N: the document's first max_tokens - 1
+  tokens, a span of 8 to N of them copied over a later stretch; loss on the copy after its first
+  token only; everything else is the document's own text."""
+  import grain  # pylint: disable=import-outside-toplevel
+  from c2.data.examples import DocumentOrCopyDrill  # pylint: disable=import-outside-toplevel
+  max_tokens, max_span = 64, 12
+  drill = DocumentOrCopyDrill(small_tokenizer, fraction=1.0, max_tokens=max_tokens,
+                              max_span=max_span)
+  texts = [" ".join(f"word{i}_{k}" for k in range(40)) for i in range(100)]
+  spans, distances = [], []
+  for text, example in zip(texts, grain.MapDataset.source([{"text": t} for t in texts]).random_map(
+      drill, seed=5)):
+    ids = small_tokenizer.encode(text)[:max_tokens - 1]
+    got, mask = example["tokens"], example["loss_mask"]
+    assert got[0] == small_tokenizer.bos_id and len(got) == len(ids) + 1 == max_tokens
+    body = got[1:]
+    changed = np.flatnonzero(body != np.asarray(ids))
+    trained = np.flatnonzero(mask) - 1  # positions in the body
+    # The loss covers one contiguous copy, from its second token on.
+    assert len(trained) >= 7 and np.array_equal(trained, np.arange(trained[0], trained[-1] + 1))
+    copy, span = trained[0] - 1, len(trained) + 1
+    assert 8 <= span <= max_span
+    assert set(changed) <= set(range(copy, copy + span))  # only the copy overwrote the text
+    originals = [s for s in range(0, copy - span + 1)
+                 if np.array_equal(body[s:s + span], body[copy:copy + span])]
+    assert originals, "the copy repeats no earlier stretch of the row"
+    spans.append(span)
+    distances.append(copy - originals[-1])
+  assert len(set(spans)) > 3 and max(distances) > 2 * max_span  # random spans, read from afar
+  with pytest.raises(ValueError, match="copy_drill_span"):
+    DocumentOrCopyDrill(small_tokenizer, fraction=1.0, max_tokens=max_tokens, max_span=40)

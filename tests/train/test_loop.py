@@ -131,3 +131,18 @@ def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experimen
   monkeypatch.chdir(tmp_path)  # the documented pipeline passes relative paths (runs/tiny/ckpt)
   relative, _ = ckpt_lib.restore_params_subset("base/ckpt", jax.tree.map(np.asarray, fresh.params))
   np.testing.assert_array_equal(relative["lm_head"], saved["lm_head"])
+
+
+def test_eval_at_start_scores_the_start_checkpoint_at_step_0(small_experiment, tmp_path):
+  """train.eval_at_start: a run from init_from logs the checkpoint's held-out loss at step 0,
+  the value its own run ended with (same params, same held-out batches)."""
+  build, seed_dir = small_experiment
+  base = train.run(build(**{"train.steps": 2, "train.eval_every": 2}), seed_dir(tmp_path / "base"))
+  train.run(build(**{"train.steps": 2, "train.eval_every": 2, "train.eval_at_start": True,
+                     "train.init_from": str(tmp_path / "base" / "ckpt")}),
+            seed_dir(tmp_path / "next"))
+  rows = [json.loads(line) for line in
+          (tmp_path / "next" / "tb" / "metrics.jsonl").read_text().splitlines() if line]
+  at_start = [r["eval/ce"] for r in rows if r.get("step") == 0 and "eval/ce" in r]
+  assert at_start == [pytest.approx(base["eval/ce"], rel=1e-5)]
+  assert [r["step"] for r in rows if "eval/ce" in r] == [0, 2]
