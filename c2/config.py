@@ -151,6 +151,11 @@ class RLConfig:
   publish_dtype: str = "bfloat16"  # weights as the engines get them (float32: trainer numerics)
   snapshot_every: int = 8  # full snapshot every N versions, deltas in between
   attention_weight: float = 1.0  # packing cost of attention relative to tokens
+  # Drop a finished group and start another task in its place (c2/rl/coordinator.py): "reward"
+  # drops groups whose rewards are all equal (zero advantages), "outcome" also those whose
+  # rollouts all passed or all failed (DAPO's dynamic sampling: penalties alone then separate
+  # them); "off" trains every group. Uses more tasks: all rl.train_tasks are loaded.
+  drop_uniform_groups: str = "off"
   curriculum_start_group: Optional[int] = None  # upsample hard task kinds after N groups
   curriculum_window: int = 64
 
@@ -395,6 +400,9 @@ def _validate_rl(exp: ExperimentConfig) -> None:
   rl, data = exp.rl, exp.data
   if rl.backend not in ("threads", "ray"):
     raise ConfigError(f"config.rl.backend={rl.backend!r}; choose threads or ray")
+  if rl.drop_uniform_groups not in ("off", "reward", "outcome"):
+    raise ConfigError(f"config.rl.drop_uniform_groups={rl.drop_uniform_groups!r}; choose off, "
+                      "reward or outcome")
   if rl.kl_placement not in ("reward", "loss", "none"):
     raise ConfigError(f"config.rl.kl_placement={rl.kl_placement!r}; choose reward, loss or none")
   if rl.publish_dtype not in ("bfloat16", "float32"):

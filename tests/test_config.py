@@ -97,6 +97,7 @@ def test_rl_experiment_variants_convert_with_their_environment(variant):
 @pytest.mark.parametrize("key, value, message", [
     ("rl.backend", "mpi", "choose threads or ray"),
     ("rl.kl_placement", "both", "choose reward, loss or none"),
+    ("rl.drop_uniform_groups", "true", "choose off, reward or outcome"),
     ("rl.group_size", 1, "group_size must be >= 2"),
     ("rl.max_context", 4096, "exceeds data.seq_len"),
     ("rl.task_levels", "1,x", "comma-separated integers"),

@@ -13,9 +13,17 @@ used later than planned (after a drop), with a token older than s - S, is droppe
 never trained. With S = 0 no rollout overlaps an update: the run is the synchronous algorithm,
 step for step (tests/rl/test_coordinator.py checks it against a synchronous loop).
 
+Uniform groups. With drop_uniform_groups="reward", a group whose rollouts all got the same reward
+is dropped when it finishes and another task is started in its place (ScaleRL's zero-variance
+filtering): its advantages R - mean(R) are all zero, so it would take a batch slot and learner
+time and move nothing. "outcome" also drops groups whose rollouts all passed or all failed
+(DAPO's dynamic sampling), where only penalties or lengths separate the rewards. A dropped
+group's rollouts still count in the curriculum and in `drain_rollout_log()`, which is what the
+pass rate of sampling should be read from.
+
 Faults. A rollout whose worker dies (WorkerDiedError, or any exception from the backend) is
 retried with the same seed up to `max_retries` times, then its group is dropped and counted.
-Every group ends in exactly one of: trained, dropped_stale, dropped_failed; `accounting()` says
+Every group ends in exactly one of: trained, dropped_stale, dropped_failed, dropped_uniform; `accounting()` says
 where each started group is, and the learner asserts that nothing is lost.
 
 Checkpoints. Each ready group is pickled to state_dir/groups/ (atomically) with its rollouts and
@@ -67,6 +75,18 @@ class OutOfTasksError(RuntimeError):
   pass
 
 
+DROP_MODES = ("off", "reward", "outcome")
+
+
+def is_uniform(group: Group, mode: str) -> bool:
+  """Whether `mode` (DROP_MODES) drops this finished group."""
+  if mode == "off":
+    return False
+  if np.ptp(group.rewards) == 0:
+    return True
+  return mode == "outcome" and len({r.passed for r in group.rollouts}) == 1
+
+
 def rollout_seed(seed: int, group_id: int, index: int) -> int:
   return ((seed * 1_000_003 + group_id) * 4096 + index) % (2**31 - 1)
 
@@ -79,11 +99,14 @@ class Coordinator:
                groups_per_step: int, max_staleness: int, state_dir: str,
                latest_published: Callable[[], Optional[int]], total_steps: int,
                max_retries: int = 2, seed: int = 0, curriculum: Optional[Curriculum] = None,
-               poll_seconds: float = 0.02):
+               drop_uniform_groups: str = "off", poll_seconds: float = 0.02):
     if group_size < 2:
       raise ValueError("rl.group_size must be >= 2 (advantages are relative to the group mean)")
     self.backend, self.group_size, self.groups_per_step = backend, group_size, groups_per_step
     self.max_staleness, self.max_retries, self.seed = max_staleness, max_retries, seed
+    if drop_uniform_groups not in DROP_MODES:
+      raise ValueError(f"drop_uniform_groups={drop_uniform_groups!r}; choose one of {DROP_MODES}")
+    self.drop_uniform_groups = drop_uniform_groups
     self.latest_published, self.total_steps = latest_published, total_steps
     self.curriculum = curriculum or Curriculum()
     self.tasks = {task.task_id: task for task in tasks}
@@ -100,7 +123,7 @@ class Coordinator:
     self._requested_version = -1
     self.trained: set[int] = set()
     self.counters = collections.Counter()
-    self.rollout_log: list[dict] = []  # per finished rollout, for the learner's metrics
+    self._rollout_log: list[dict] = []  # per finished rollout since the last drain
     self._stop = threading.Event()
     self._pump_thread: Optional[threading.Thread] = None
     self._poll = poll_seconds
@@ -137,8 +160,10 @@ class Coordinator:
           return batch
         planned_here = sum(1 for g in self._groups.values() if g.target_step <= step)
         if not self._unused and planned_here < self.groups_per_step:
-          raise OutOfTasksError(f"no tasks left for step {step}: {len(self.trained)} groups "
-                                "trained; give more tasks (rl.train_tasks) or fewer steps")
+          raise OutOfTasksError(
+              f"no tasks left for step {step}: {len(self.trained)} groups trained, "
+              f"{self.counters['groups_dropped_uniform']} dropped as uniform; give more tasks "
+              "(rl.train_tasks) or fewer steps")
       if self._pump_thread is None:
         self.pump()
       time.sleep(self._poll)
@@ -178,8 +203,16 @@ class Coordinator:
       in_flight = sum(1 for g in self._groups.values() if not g.ready)
       return {"started": c["groups_started"], "trained": c["groups_trained"],
               "dropped_stale": c["groups_dropped_stale"],
-              "dropped_failed": c["groups_dropped_failed"], "ready": len(self._ready),
+              "dropped_failed": c["groups_dropped_failed"],
+              "dropped_uniform": c["groups_dropped_uniform"], "ready": len(self._ready),
               "in_flight": in_flight}
+
+  def drain_rollout_log(self) -> list[dict]:
+    """{group, reward, passed, **stats} of every rollout finished since the last call, whether
+    its group is trained or dropped: the unfiltered view of what the policy samples."""
+    with self._lock:
+      log, self._rollout_log = self._rollout_log, []
+      return log
 
   def close(self) -> None:
     self._stop.set()
@@ -255,10 +288,13 @@ class Coordinator:
         self._drop(group, "dropped_failed", reason=f"{type(e).__name__}: {e}")
       return
     group.rollouts[index] = rollout
-    self.rollout_log.append({"group": group_id, "reward": rollout.reward, "passed": rollout.passed,
-                             **rollout.stats})
+    self._rollout_log.append({"group": group_id, "reward": rollout.reward,
+                              "passed": rollout.passed, **rollout.stats})
     if group.ready:
       self.curriculum.record(group.task, group.rollouts)
+      if is_uniform(group, self.drop_uniform_groups):
+        self._drop(group, "dropped_uniform")  # frees its slot: _admit starts another task
+        return
       self._save_group(group)
       self._ready.append(group_id)
       self._ready.sort()

@@ -13,8 +13,8 @@ Resuming: rerunning the command restores the latest checkpoint and the coordinat
 its metadata; versions published after that checkpoint are forgotten (they are published again);
 ready groups on disk are used as they are, groups in flight are rolled out again. Staleness
 (policy version lag of every trained token) is asserted to stay within rl.max_staleness, and at
-the end every started group is accounted for (trained, dropped stale, dropped failed, or left
-over ready / in flight).
+the end every started group is accounted for (trained, dropped stale, dropped failed, dropped
+as uniform under rl.drop_uniform_groups, or left over ready / in flight).
 """
 from __future__ import annotations
 
@@ -164,14 +164,17 @@ def prepare(exp: ExperimentConfig, workdir: str) -> Learner:
   spec = worker_spec(exp, workdir, tokenizer_path)
   backend = make_backend(rl.backend, spec, env_workers=rl.env_workers, engines=rl.engines)
   backend.start(step)
-  needed = min(rl.train_tasks, exp.train.steps * rl.groups_per_step * 2 + 8)
+  # Each task is used once; dropping uniform groups uses an unknown multiple of them.
+  needed = rl.train_tasks if rl.drop_uniform_groups != "off" else min(
+      rl.train_tasks, exp.train.steps * rl.groups_per_step * 2 + 8)
   train_tasks = load_tasks(exp, "train", needed)
   curriculum = Curriculum(start_group=rl.curriculum_start_group, window=rl.curriculum_window)
   coordinator = Coordinator(
       backend, train_tasks, group_size=rl.group_size, groups_per_step=rl.groups_per_step,
       max_staleness=rl.max_staleness, state_dir=os.path.join(workdir, "rl"),
       latest_published=store.latest_version, total_steps=exp.train.steps,
-      max_retries=rl.max_retries, seed=exp.data.seed, curriculum=curriculum)
+      max_retries=rl.max_retries, seed=exp.data.seed, curriculum=curriculum,
+      drop_uniform_groups=rl.drop_uniform_groups)
   if meta.get("data_state"):
     coordinator.load_state_dict(meta["data_state"])
   heldout = load_tasks(exp, "heldout", rl.heldout_tasks) if rl.heldout_tasks else []
@@ -291,6 +294,7 @@ def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None,
         step_seconds = time.time() - step_start
         step += 1
         metrics.update(rl_metrics.rollout_metrics(groups, step - 1))
+        metrics.update(rl_metrics.sampled_metrics(learner.coordinator.drain_rollout_log()))
         metrics.update(learner.backend.stats())
         metrics.update({f"coordinator/{k}": float(v)
                         for k, v in learner.coordinator.accounting().items()})
@@ -307,6 +311,7 @@ def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None,
           learner.writer.write_scalars(step, metrics)
           print(f"step {step}: reward {metrics.get('reward/mean', float('nan')):.3f} "
                 f"pass {metrics.get('rollout/pass_rate', float('nan')):.2f} "
+                f"(all sampled {metrics.get('sampled/pass_rate', float('nan')):.2f}) "
                 f"staleness<= {metrics.get('rl/staleness_max', 0):.0f} "
                 f"wait {metrics['perf/wait_fraction']:.0%}", flush=True)
         if step % exp.checkpoint.every_steps == 0 or stop:

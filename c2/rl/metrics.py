@@ -2,6 +2,8 @@
 
   rollout_metrics(groups, step)     rewards (mean and per component), pass rate, lengths, turns,
                                     tool calls, summaries, staleness of the step's groups
+  sampled_metrics(log)              pass rate and reward of all rollouts finished since the last
+                                    step, trained or dropped
   pass_rate(results)                held-out pass rate with a 95% confidence interval
   per_task_pass_rates(results)      task id -> fraction of its rollouts that passed
   pass_rate_change(start, end)      paired change of the pass rate over the same tasks, 95% CI
@@ -52,6 +54,17 @@ def rollout_metrics(groups: Sequence, step: int) -> dict[str, float]:
   # Groups whose rollouts all got the same reward carry no gradient under A = R - mean(R).
   out["rl/groups_all_equal"] = float(np.mean([np.ptp(g.rewards) == 0 for g in groups]))
   return out
+
+
+def sampled_metrics(log: Sequence[dict]) -> dict[str, float]:
+  """Pass rate and reward of every rollout finished since the last step (Coordinator.
+  drain_rollout_log), trained or not: with uniform groups dropped, the trained groups' own pass
+  rate (rollout/pass_rate) is biased toward the tasks that split, so read the policy's from here."""
+  if not log:
+    return {}
+  return {"sampled/pass_rate": float(np.mean([r["passed"] for r in log])),
+          "sampled/reward_mean": float(np.mean([r["reward"] for r in log])),
+          "sampled/rollouts": float(len(log))}
 
 
 def _mean_and_half_width(values: np.ndarray) -> tuple[float, float]:

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from c2.envs.tasks import Task
@@ -32,11 +33,16 @@ def make_tasks(n, kinds=("a",)):
                level=1) for i in range(n)]
 
 
-def fake_rollout(spec, start, finish):
+def seed_reward(spec):
+  return (spec.seed % 3) / 2
+
+
+def fake_rollout(spec, start, finish, reward_of=seed_reward):
   """Three prompt tokens, then four sampled ones: two with the weights the rollout started with
   and two with those it finished with, as a weight swap mid-rollout leaves them. The reward is a
-  function of the seed alone, so a rollout run twice with its seed gives the same sample."""
-  reward = (spec.seed % 3) / 2
+  function of the spec alone (its seed by default), so a rollout run twice with its seed gives
+  the same sample."""
+  reward = reward_of(spec)
   segment = Segment(tokens=[1, 2, 3] + [10 + spec.index] * 4, model_mask=[False] * 3 + [True] * 4,
                     sampler_logp=[0.0] * 3 + [-0.5] * 4,
                     versions=[-1] * 3 + [start, start, finish, finish], routes=None)
@@ -54,8 +60,8 @@ class FakeBackend(Backend):
   finds none pending fails the next submission instead, so each kill fails something."""
 
   def __init__(self, *, workers=4, seed=0, max_sleep=0.01, load_delay=0.0, fail=None,
-               stamp=None, hold=()):
-    self.max_sleep, self.load_delay = max_sleep, load_delay
+               stamp=None, hold=(), reward_of=seed_reward):
+    self.max_sleep, self.load_delay, self.reward_of = max_sleep, load_delay, reward_of
     self.fail = fail or (lambda spec, attempt: False)
     self.stamp, self.hold = dict(stamp or {}), set(hold)
     self.release, self._closed = threading.Event(), threading.Event()
@@ -115,7 +121,7 @@ class FakeBackend(Backend):
         future.set_exception(WorkerDiedError(f"worker of {spec} died (attempt {attempt})"))
         continue
       rollout = fake_rollout(spec, start if version is None else version,
-                             finish if version is None else version)
+                             finish if version is None else version, self.reward_of)
       self.results[spec.group_id, spec.index] = rollout
       future.set_result(rollout)
 
@@ -228,8 +234,8 @@ def take(coordinator, step):
 
 def check_accounting(coordinator):
   a = coordinator.accounting()
-  assert a["started"] == (a["trained"] + a["dropped_stale"] + a["dropped_failed"] + a["ready"]
-                          + a["in_flight"]), a
+  assert a["started"] == (a["trained"] + a["dropped_stale"] + a["dropped_failed"]
+                          + a["dropped_uniform"] + a["ready"] + a["in_flight"]), a
   return a
 
 
@@ -404,6 +410,61 @@ def test_a_group_with_old_tokens_is_dropped_not_trained(build):
   for step, groups, _ in log:
     assert all(step - g.min_version <= 1 for g in groups)
   assert check_accounting(coordinator)["dropped_stale"] == 1
+
+
+def split_reward(spec):
+  """Groups by id mod 3: all fail alike (uniform rewards); all fail, one with a penalty (uniform
+  outcome, rewards differ); only rollout 0 passes (mixed). A rollout passes at reward 1."""
+  return [0.0, -0.1 * (spec.index == 0), float(spec.index == 0)][spec.group_id % 3]
+
+
+def dropped_by(mode, group_id):
+  return group_id % 3 == 0 or (mode == "outcome" and group_id % 3 == 1)
+
+
+@pytest.mark.parametrize("mode", ["reward", "outcome"])
+def test_uniform_groups_are_dropped_and_replaced_by_new_tasks(build, mode):
+  steps = 8
+  backend = FakeBackend(seed=6, reward_of=split_reward)
+  published = Published()
+  coordinator = build(backend, make_tasks(200), published, total_steps=steps,
+                      drop_uniform_groups=mode)
+  coordinator.start(0)
+  log = run_learner(coordinator, published, steps)
+
+  ids = trained_ids(log)
+  assert len(ids) == steps * GROUPS_PER_STEP  # every step still got full batches
+  assert not any(dropped_by(mode, i) for i in ids)
+  if mode == "reward":  # all-failed groups whose rewards differ are trained
+    assert any(i % 3 == 1 for i in ids)
+  for _, groups, _ in log:
+    assert all(np.ptp(g.rewards) > 0 for g in groups)
+  # Every finished uniform group was dropped, and its task is not used again.
+  finished = {gid for gid, _ in backend.results}
+  dropped = sorted(i for i in finished if dropped_by(mode, i) and all(
+      (i, k) in backend.results for k in range(GROUP_SIZE)))
+  assert len(dropped) >= steps * GROUPS_PER_STEP // 2 - 1
+  c = coordinator.counters
+  assert c["groups_dropped_uniform"] == len(dropped)
+  assert not set(dropped) & set(ids)
+  a = check_accounting(coordinator)
+  assert a["dropped_uniform"] == len(dropped)
+  # The sampling log keeps the dropped groups' rollouts: the unfiltered pass rate.
+  logged = coordinator.drain_rollout_log()
+  assert {r["group"] for r in logged} >= set(dropped) | set(ids)
+  assert coordinator.drain_rollout_log() == []  # drained
+
+
+def test_without_dropping_uniform_groups_are_trained(build):
+  backend = FakeBackend(seed=6, reward_of=split_reward)
+  published = Published()
+  coordinator = build(backend, make_tasks(200), published, total_steps=8)
+  coordinator.start(0)
+  log = run_learner(coordinator, published, 8)
+  assert sorted(trained_ids(log)) == list(range(16))  # uniform or not
+  assert coordinator.counters["groups_dropped_uniform"] == 0
+  with pytest.raises(ValueError, match="drop_uniform_groups"):
+    build(backend, make_tasks(4), published, drop_uniform_groups="yes")
 
 
 # ------------------------------------------------------------------------------------ restart

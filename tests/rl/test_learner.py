@@ -62,8 +62,8 @@ def test_faults_and_resume_lose_no_group_and_train_none_twice(small_model, token
   assert killed == [1]
   assert first["workers/engine_restarts"] == 1
   a = {k[len("accounting/"):]: v for k, v in first.items() if k.startswith("accounting/")}
-  assert a["started"] == (a["trained"] + a["dropped_stale"] + a["dropped_failed"] + a["ready"] +
-                          a["in_flight"])
+  assert a["started"] == (a["trained"] + a["dropped_stale"] + a["dropped_failed"]
+                          + a["dropped_uniform"] + a["ready"] + a["in_flight"])
   assert a["trained"] == 4 and a["dropped_failed"] == 0
   step, trained_first = _trained_ids(workdir)
   assert step == 2 and len(trained_first) == 4
