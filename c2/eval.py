@@ -58,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-new-tokens", type=int, default=o.agentic_max_new_tokens)
   p.add_argument("--agentic-context", type=int, default=0, help="0: the run's rollout context")
   p.add_argument("--temperature", type=float, default=o.agentic_temperature)
+  p.add_argument("--positions-from", default=None, metavar="WORKDIR",
+                 help="evaluate under that run's RoPE settings (rope_scaling, "
+                      "max_position_embeddings): a checkpoint as a long-context extension from "
+                      "it sees it at its step 0")
   p.add_argument("--env-experiment", default=None,
                  help="take the environment section of this experiment (e.g. experiments/rl.py:"
                       "tiny) instead of the checkpoint's own (or the defaults)")
@@ -87,6 +91,17 @@ def _workdir_steps(path: str, spec: str) -> list[Optional[int]]:
   if missing:
     raise SystemExit(f"c2.eval: {path} has no checkpoint at steps {missing} (has {present})")
   return wanted
+
+
+def _with_positions_of(cfg, workdir: str):
+  """cfg with the RoPE range and scaling of the run in `workdir` (its tb/config.json)."""
+  experiment = _experiment(workdir)
+  if not experiment:
+    raise SystemExit(f"c2.eval: --positions-from {workdir}: no tb/config.json there (give a c2 "
+                     "training workdir)")
+  other = loading.workdir_model_config(experiment, os.path.join(workdir, "tb", "config.json"))
+  return cfg.replace(rope_scaling=other.rope_scaling,
+                     max_position_embeddings=other.max_position_embeddings)
 
 
 def _options(args, experiment: dict, max_positions: int) -> suites.SuiteOptions:
@@ -127,6 +142,8 @@ def main(argv=None) -> None:
         cfg, params, tokenizer = loading.load_for_serving(path, args.dtype, step)
       except loading.LoadError as e:
         raise SystemExit(f"c2.eval: {e}") from None
+      if args.positions_from:
+        cfg = _with_positions_of(cfg, args.positions_from)
       options = _options(args, _experiment(path), cfg.max_position_embeddings)
       name = os.path.basename(os.path.normpath(path))
       label = args.label if args.label and len(paths) * len(steps) == 1 else (

@@ -10,7 +10,8 @@ Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/pretrain.py:full
   launch/run.sh --tpu NAME --zone ZONE --config experiments/pretrain.py:full --workdir gs://B/runs/cpt
 Variants: tiny | copy_drills, copy_drills_128, copy_drills_512 (the RL pipeline's phase 1b,
-experiments/rl.py) | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
+experiments/rl.py) | needles (from copy_drills_512: a language model that retrieves, the start of
+experiments/extend_256k.py's retrieval result) | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
 --config.optim.peak_lr=1e-4.
 MTP attached from a mid-run checkpoint: --config.train.init_from=gs://B/runs/cpt/ckpt (the MTP
 modules the checkpoint lacks are freshly initialised, everything else restored).
@@ -60,6 +61,19 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
       c.data.update(seq_len=rows, global_batch_size=batch, copy_drill_span=23)
       c.train.update(steps=steps, eval_every=100)
       c.checkpoint.update(every_steps=100)
+  elif variant == "needles":
+    # Phase 1c, a language model that retrieves: the copy-drilled checkpoint (runs/copy-512, whose
+    # drills cost it its language modelling: held-out CE 10.96) back on the code corpus at 256
+    # tokens, with half the documents carrying a needle (a span of up to 64 of its tokens copied
+    # over a later part of it, loss on the copy; c2/data/examples.py). Measured 2026-12-05, 240
+    # steps (~17 min beside other jobs): held-out CE 10.96 -> 3.70 (runs/tiny: ~4.0); RULER
+    # retrieval_nats (8 examples per task) at 64 / 128 / 256 tokens 27.9 / 24.8 / 15.2 -> 10.5 /
+    # 7.1 / 3.6: it keeps some of the drills' retrieval while it relearns the corpus. The start
+    # checkpoint of the long-context extension's retrieval result (experiments/extend_256k.py).
+    c.data.update(repeat_fraction=0.5, copy_drill_span=64, tokenizer="runs/tiny/tokenizer.json")
+    c.optim.update(peak_lr=1e-3)
+    c.train.update(init_from="runs/copy-512/ckpt", max_minutes=60.0, eval_suites="ruler",
+                   eval_suites_every=240, eval_at_start=True)
   elif variant == "proxy":
     layouts.proxy(c)
     c.data.update(source="arrayrecord:gs://BUCKET/cpt/{split}-*.arrayrecord")
@@ -74,7 +88,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.checkpoint.update(every_steps=250)
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny, copy_drills, copy_drills_128, "
-                     "copy_drills_512, proxy or full")
+                     "copy_drills_512, needles, proxy or full")
   return c
 
 

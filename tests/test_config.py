@@ -9,10 +9,14 @@ from c2.cli import load_experiment
                                   "experiments/pretrain.py:full",
                                   "experiments/pretrain.py:copy_drills",
                                   "experiments/pretrain.py:copy_drills_128",
-                                  "experiments/pretrain.py:copy_drills_512"])
+                                  "experiments/pretrain.py:copy_drills_512",
+                                  "experiments/pretrain.py:needles"])
 def test_experiment_variants_convert(path):
   exp = config_lib.from_config_dict(load_experiment(path))
   assert exp.phase == "pretrain"
+  if path.endswith("needles"):  # documents with needles, from the copy-drilled checkpoint
+    assert exp.data.repeat_fraction > 0 and exp.data.copy_drill_span > 0
+    assert exp.train.init_from == "runs/copy-512/ckpt"
   if path.endswith("full"):
     assert exp.model.num_routed_experts == 384 and exp.data.seq_len == 32768
     assert exp.aot.topology.startswith(("v5p", "tpu7x"))

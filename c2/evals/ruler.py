@@ -36,6 +36,8 @@ Scores per task and length L (scalars <task>/<metric>_len<L>, and their mean ove
                     nats the needle itself is worth to the model. Zero for a model that ignores
                     the context, positive for one that reads it; the fair, continuous score for
                     models too small to copy five digits exactly.
+  retrieval_nats_se standard error of retrieval_nats over the examples (the task mean's: the
+                    tasks' combined), so two checkpoints' figures can be told from noise
 """
 from __future__ import annotations
 
@@ -210,8 +212,10 @@ def score(probe, examples: Sequence[tuple[Task, list[int], list[int], list[int]]
              for c, (t, _, _, _) in zip(completions, examples)]
   nats = np.asarray(probe.answer_nats(prompts, answers, length=length))
   control = np.asarray(probe.answer_nats([c for _, _, c, _ in examples], answers, length=length))
+  worth = control - nats
+  se = float(worth.std(ddof=1) / np.sqrt(len(worth))) if len(worth) > 1 else float("nan")
   return {"accuracy": float(np.mean(correct)), "answer_nats": float(nats.mean()),
-          "retrieval_nats": float((control - nats).mean())}
+          "retrieval_nats": float(worth.mean()), "retrieval_nats_se": se}
 
 
 def evaluate(probe, *, lengths: Sequence[int], examples: int, seed: int = 0,
@@ -242,4 +246,6 @@ def evaluate(probe, *, lengths: Sequence[int], examples: int, seed: int = 0,
     if per_task:
       out.update({f"{m}_len{length}": float(np.mean([s[m] for s in per_task.values()]))
                   for m in METRICS})
+      out[f"retrieval_nats_se_len{length}"] = float(
+          np.sqrt(sum(s["retrieval_nats_se"] ** 2 for s in per_task.values())) / len(per_task))
   return out

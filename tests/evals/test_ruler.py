@@ -167,6 +167,11 @@ def test_scores_of_known_probes(tokenizer):
           2.0 * out[f"{kind}/answer_nats_len{length}"])
     assert out[f"answer_nats_len{length}"] == pytest.approx(np.mean(
         [out[f"{k}/answer_nats_len{length}"] for k in ruler.TASKS]))
+    # Standard errors: the oracle's per-example worth is 2 nats per answer token, so they spread
+    # only with the answers' lengths; the task mean's combines the tasks'.
+    ses = [out[f"{k}/retrieval_nats_se_len{length}"] for k in ruler.TASKS]
+    assert all(np.isfinite(ses)) and out[f"retrieval_nats_se_len{length}"] == pytest.approx(
+        np.sqrt(np.sum(np.square(ses))) / len(ses))
   wrong = ScriptedProbe(tokenizer, lambda p: " 12345\n", context=256, capacity=300)
   out = ruler.evaluate(wrong, lengths=(256,), examples=3, seed=0)
   assert out["accuracy_len256"] == 0.0 and out["retrieval_nats_len256"] == 0.0

@@ -42,3 +42,24 @@ def test_suites_in_training_and_from_the_command_line(small_experiment, tmp_path
   assert (cli["run@8"]["metrics"]["eval/codebase/nats_per_byte"]
           < cli["run@4"]["metrics"]["eval/codebase/nats_per_byte"])
   assert (out / "plots" / "base_probes.svg").exists() and list((out / "tb").iterdir())
+
+
+def test_positions_from_takes_another_runs_rope_settings(tmp_path):
+  """c2.eval --positions-from WORKDIR: a checkpoint scored under the RoPE range and YaRN of a
+  long-context run (its step 0 as that run sees it); the rest of the model stays its own."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from c2 import eval as eval_cli  # pylint: disable=import-outside-toplevel
+  from c2.cli import load_experiment  # pylint: disable=import-outside-toplevel
+  extension = config_lib.from_config_dict(load_experiment("experiments/extend_256k.py:tiny"))
+  (tmp_path / "ext" / "tb").mkdir(parents=True)
+  (tmp_path / "ext" / "tb" / "config.json").write_text(json.dumps(dataclasses.asdict(extension)))
+  start = config_lib.from_config_dict(load_experiment("experiments/pretrain.py:tiny")).model
+  assert start.rope_scaling != extension.model.rope_scaling
+  seen = eval_cli._with_positions_of(start, str(tmp_path / "ext"))  # pylint: disable=protected-access
+  assert seen.rope_scaling == extension.model.rope_scaling
+  assert seen.max_position_embeddings == 2048 and seen.hidden_size == start.hidden_size
+  assert seen.replace(rope_scaling=start.rope_scaling,
+                      max_position_embeddings=start.max_position_embeddings) == start
+  with pytest.raises(SystemExit, match="no tb/config.json"):
+    eval_cli._with_positions_of(start, str(tmp_path))  # pylint: disable=protected-access
