@@ -31,13 +31,30 @@ for all three models, and retrieval_nats (what the needle is worth) within noise
 answer nats fall (niah_single at 2048: 28.9 / 28.2 / 26.2) from better digit statistics, not from
 reading the needle. A retrieval result needs a model that retrieves at its trained length first.
 The copy-drilled checkpoint of the agentic pipeline (runs/copy-512, launch/agentic_pipeline.sh:
-runs/tiny plus copy drills on rows of 48, 128 and 512 tokens) is one; RULER at 256 / 512 tokens,
-8 examples per task (measured 2026-12-05; runs/tiny on the left):
-  retrieval_nats  niah_single 0.00 / -0.31 -> 27.6 / 21.2   niah_multikey -0.08 / -0.09 -> 21.9 / 18.4
-                  niah_code 0.09 / 2.7 -> 12.5 / 17.0       variable_tracking -0.08 / -0.11 -> -0.49 / 0.01
-  accuracy        niah_single 0 / 0 -> 0.125 / 0            (the rest 0)
-so the extension's retrieval result is to be measured from it (--config.train.init_from=
-runs/copy-512/ckpt, lengths 1024 and 2048); not yet run.
+runs/tiny plus copy drills on rows of 48, 128 and 512 tokens) retrieves at its trained lengths
+(RULER retrieval_nats 15.4 / 14.2 at 256 / 512 tokens vs ~0 for runs/tiny) but is no language
+model any more (held-out CE 10.8: the drills train copies only). Extended from it (YaRN 4 over
+its 512 positions) its retrieval fell while it relearned the corpus, with or without needles in
+the extension's documents (mean retrieval_nats at 1024 / 2048: 10.5 / 4.5 -> 7.2 / 2.8, and 7.4
+/ 2.8 with half the documents carrying needles; 8 examples per task). A checkpoint that is both
+is experiments/pretrain.py:needles (runs/copy-512 back on the corpus with needles at 256 tokens:
+CE 3.70, retrieval_nats 3.6 at 256). Its extension (this tiny config, from it, with needles in
+half the documents), measured 2026-12-05:
+  python -m c2.main --config experiments/pretrain.py:needles --workdir runs/lm-needles
+  python -m c2.main --config experiments/extend_256k.py:tiny --workdir runs/ext-lmneedles \
+    --config.train.init_from=runs/lm-needles/ckpt --config.data.repeat_fraction=0.5 \
+    --config.data.copy_drill_span=64 --config.train.eval_at_start=true
+  python -m c2.eval --checkpoint runs/lm-needles --positions-from runs/ext-lmneedles \
+    --suite ruler --lengths 1024,2048 --long-examples 32     # the start, under this YaRN
+  held-out NLL (start under this YaRN -> end): positions 1024-2047 2.23 -> 1.89, 512-1023 2.25
+    -> 1.91, 128-255 2.00 -> 1.88 (16 rows of 2048; steps 5-8 s beside other jobs)
+  RULER retrieval_nats, 32 examples per task, mean of four tasks +- standard error: 1024 tokens
+    3.25 +- 0.35 -> 2.97 +- 0.34, 2048 tokens 1.50 +- 0.27 -> 1.77 +- 0.26 (niah_single 4.25 /
+    1.95 -> 3.59 / 1.84, niah_code 6.87 / 2.74 -> 6.60 / 3.82); exact match 0 throughout.
+So YaRN alone carries the start checkpoint's retrieval to 8x its length (positive at 1024 and
+2048 beyond noise), and 60 steps of extension improve the loss at late positions but leave
+retrieval where it was (changes -0.28 +- 0.95 and +0.26 +- 0.74 at 95%): the acceptance point
+"retrieval at the new lengths improves" is not reached.
 
 Full scale (a pod; the AOT check first proves it fits):
   python -m c2.aot --config experiments/extend_256k.py:full
