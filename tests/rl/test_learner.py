@@ -30,7 +30,8 @@ def small_rl_experiment(small_model, tokenizer_path, **rl):
   c.env.max_turns = 3
   c.rl.update(group_size=2, groups_per_step=2, max_new_tokens=24, heldout_tasks=2,
               eval_samples=1, eval_every=100, env_workers=4, engine_slots=4, max_retries=3,
-              publish_dtype="float32", kl_coef=0.0)   # tests that need the KL pass it
+              publish_dtype="float32", kl_coef=0.0,  # tests that need the KL pass it
+              drop_uniform_groups="off")  # exact group counts; tests/rl/test_coordinator.py
   c.rl.update(**rl)
   c.train.update(steps=4)
   c.checkpoint.update(every_steps=2)
