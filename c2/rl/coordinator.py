@@ -23,8 +23,8 @@ pass rate of sampling should be read from.
 
 Faults. A rollout whose worker dies (WorkerDiedError, or any exception from the backend) is
 retried with the same seed up to `max_retries` times, then its group is dropped and counted.
-Every group ends in exactly one of: trained, dropped_stale, dropped_failed, dropped_uniform; `accounting()` says
-where each started group is, and the learner asserts that nothing is lost.
+Every group ends in exactly one of: trained, dropped_stale, dropped_failed, dropped_uniform;
+`accounting()` says where each started group is, and the learner asserts that nothing is lost.
 
 Checkpoints. Each ready group is pickled to state_dir/groups/ (atomically) with its rollouts and
 their versions. `state_dict()` (saved with the learner checkpoint) records the groups started and
