@@ -11,8 +11,8 @@ Full scale (a pod; the AOT check first proves it fits):
   launch/run.sh --tpu NAME --zone ZONE --config experiments/pretrain.py:full --workdir gs://B/runs/cpt
 Variants: tiny | copy_drills, copy_drills_128, copy_drills_512 (the RL pipeline's phase 1b,
 experiments/rl.py) | needles (from copy_drills_512: a language model that retrieves, the start of
-experiments/extend_256k.py's retrieval result) | proxy | full (shapes and layouts: experiments/layouts.py). Override anything:
---config.optim.peak_lr=1e-4.
+experiments/extend_256k.py's retrieval result) | proxy | full (shapes and layouts:
+experiments/layouts.py). Override anything: --config.optim.peak_lr=1e-4.
 MTP attached from a mid-run checkpoint: --config.train.init_from=gs://B/runs/cpt/ckpt (the MTP
 modules the checkpoint lacks are freshly initialised, everything else restored).
 """

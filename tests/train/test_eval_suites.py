@@ -56,10 +56,11 @@ def test_positions_from_takes_another_runs_rope_settings(tmp_path):
   (tmp_path / "ext" / "tb" / "config.json").write_text(json.dumps(dataclasses.asdict(extension)))
   start = config_lib.from_config_dict(load_experiment("experiments/pretrain.py:tiny")).model
   assert start.rope_scaling != extension.model.rope_scaling
-  seen = eval_cli._with_positions_of(start, str(tmp_path / "ext"))  # pylint: disable=protected-access
+  with_positions_of = eval_cli._with_positions_of  # pylint: disable=protected-access
+  seen = with_positions_of(start, str(tmp_path / "ext"))
   assert seen.rope_scaling == extension.model.rope_scaling
   assert seen.max_position_embeddings == 2048 and seen.hidden_size == start.hidden_size
   assert seen.replace(rope_scaling=start.rope_scaling,
                       max_position_embeddings=start.max_position_embeddings) == start
   with pytest.raises(SystemExit, match="no tb/config.json"):
-    eval_cli._with_positions_of(start, str(tmp_path))  # pylint: disable=protected-access
+    with_positions_of(start, str(tmp_path))
