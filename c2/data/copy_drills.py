@@ -77,6 +77,23 @@ def tool_call_alphabet(records: Sequence[Mapping[str, Any]],
           np.array([count for _, count in ranked], np.int64))
 
 
+def plant_copy(tokens: np.ndarray, rng: np.random.Generator, *, max_span: int,
+               far: bool) -> np.ndarray:
+  """Copies a span of MIN_SPAN to max_span of `tokens` over a later stretch of them, in place:
+  right after itself, or (far) anywhere later. Returns the loss mask of the row `[BOS] tokens`:
+  the copy after its first token (nothing predicts where a copy starts)."""
+  n = len(tokens)
+  span = int(rng.integers(MIN_SPAN, max_span + 1))
+  start = int(rng.integers(0, n - 2 * span + 1))
+  copy = start + span  # where the copy starts
+  if far:
+    copy += int(rng.integers(0, n - 2 * span - start + 1))
+  tokens[copy:copy + span] = tokens[start:start + span]
+  mask = np.zeros(n + 1, np.int32)  # positions count from BOS at 0
+  mask[1 + copy + 1:1 + copy + span] = 1
+  return mask
+
+
 class CopyDrill(grain.transforms.Map):
   """DrillIndexSource records -> {"tokens", "loss_mask"} rows of exactly row_tokens tokens.
 
@@ -103,15 +120,7 @@ class CopyDrill(grain.transforms.Map):
     rng = np.random.default_rng([self._seed, record["salt"], record["drill"]])
     body = self._row_tokens - 1
     tokens = self._ids[rng.choice(len(self._ids), size=body, p=self._probs)]
-    span = int(rng.integers(MIN_SPAN, (self._max_span or body // 2) + 1))
-    start = int(rng.integers(0, body - 2 * span + 1))
-    copy = start + span  # where the copy starts
-    if self._max_span:
-      copy += int(rng.integers(0, body - 2 * span - start + 1))
-    tokens[copy:copy + span] = tokens[start:start + span]
-    # Targets: the copy after its first token. Positions count from BOS at 0.
-    mask = np.zeros(self._row_tokens, np.int32)
-    mask[1 + copy + 1:1 + copy + span] = 1
+    mask = plant_copy(tokens, rng, max_span=self._max_span or body // 2, far=bool(self._max_span))
     return {"tokens": np.concatenate([[self._bos], tokens]).astype(np.int32), "loss_mask": mask}
 
   def alphabet_entropy(self) -> float:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import grain
 import numpy as np
 
-from c2.data import chat
+from c2.data import chat, copy_drills
 from c2.data.tokenizer import Tokenizer
 
 
@@ -66,9 +66,10 @@ class DocumentOrCopyDrill(grain.transforms.RandomMap):
 
   def __init__(self, tokenizer: Tokenizer, text_field: str = "text", *, fraction: float,
                max_tokens: int, max_span: int = 0):
-    if max_span and not 8 <= max_span <= (max_tokens - 1) // 2:
+    if max_span and not copy_drills.MIN_SPAN <= max_span <= (max_tokens - 1) // 2:
       raise ValueError(f"config.data.copy_drill_span={max_span} must be 0 or in "
-                       f"[8, {(max_tokens - 1) // 2}] (half a row of seq_len={max_tokens})")
+                       f"[{copy_drills.MIN_SPAN}, {(max_tokens - 1) // 2}] (half a row of "
+                       f"seq_len={max_tokens})")
     self._tokenizer, self._text_field = tokenizer, text_field
     self._fraction, self._max_tokens, self._max_span = fraction, max_tokens, max_span
     self._document = DocumentToExample(tokenizer, text_field)
@@ -78,7 +79,12 @@ class DocumentOrCopyDrill(grain.transforms.RandomMap):
       return self._document.map(record)
     body = self._tokenizer.encode(record[self._text_field])
     if self._max_span:
-      return self._needle(body, rng) if len(body) >= 16 else self._document.map(record)
+      if len(body) < 2 * copy_drills.MIN_SPAN:  # too short to hold a span and its copy
+        return self._document.map(record)
+      tokens = np.asarray(body[:self._max_tokens - 1], np.int32)
+      mask = copy_drills.plant_copy(tokens, rng, far=True,
+                                    max_span=min(self._max_span, len(tokens) // 2))
+      return _example(np.concatenate([[self._tokenizer.bos_id], tokens]), mask)
     if not body:  # an empty document has no tokens to draw from: it stays a document
       return self._document.map(record)
     length = int(rng.integers(8, max(9, (self._max_tokens - 2) // 2 + 1)))
@@ -90,17 +96,6 @@ class DocumentOrCopyDrill(grain.transforms.RandomMap):
     mask = np.zeros(len(ids), np.int32)
     mask[1 + length:] = 1
     return _example(ids, mask)
-
-  def _needle(self, body: list, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    tokens = np.asarray(body[:self._max_tokens - 1], np.int32)
-    n = len(tokens)
-    span = int(rng.integers(8, min(self._max_span, n // 2) + 1))
-    start = int(rng.integers(0, n - 2 * span + 1))
-    copy = int(rng.integers(start + span, n - span + 1))  # anywhere after the original
-    tokens[copy:copy + span] = tokens[start:start + span]
-    mask = np.zeros(n + 1, np.int32)  # positions count from BOS at 0
-    mask[1 + copy + 1:1 + copy + span] = 1
-    return _example(np.concatenate([[self._tokenizer.bos_id], tokens]), mask)
 
 
 def _maybe_json(value: Any) -> Any:

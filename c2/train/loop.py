@@ -234,11 +234,17 @@ def heldout_unigram_entropy(exp: ExperimentConfig, tokenizer: Tokenizer) -> floa
   return corpus_stats.target_unigram_entropy(next(iterator) for _ in range(exp.train.eval_batches))
 
 
+def _log_evaluation(run: Run, writer: MetricWriter, step: int, log) -> dict:
+  """Held-out metrics of the current params, written at `step` and their CE printed."""
+  eval_metrics = evaluate(run, run.state.params)
+  writer.write_scalars(step, eval_metrics)
+  log(f"step {step}: eval/ce {eval_metrics.get('eval/ce', float('nan')):.4f}")
+  return eval_metrics
+
+
 def _evaluate_at_start(run: Run, writer: MetricWriter) -> None:
   """Step-0 held-out loss and suites: what the run starts from, under this run's model config."""
-  eval_metrics = evaluate(run, run.state.params)
-  writer.write_scalars(0, eval_metrics)
-  print(f"step 0: eval/ce {eval_metrics.get('eval/ce', float('nan')):.4f}", flush=True)
+  _log_evaluation(run, writer, 0, log=lambda line: print(line, flush=True))
   if run.exp.train.eval_suites:
     run_eval_suites(run, writer, 0)
 
@@ -315,10 +321,7 @@ def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
         metrics = _log_train_metrics(run, writer, bar, step, metrics, throughput, last_checked)
         last_checked = step
       if step % exp.train.eval_every == 0 or stop:
-        eval_metrics = evaluate(run, run.state.params)
-        writer.write_scalars(step, eval_metrics)
-        metrics = {**metrics, **eval_metrics}
-        tqdm.tqdm.write(f"step {step}: eval/ce {eval_metrics.get('eval/ce', float('nan')):.4f}")
+        metrics = {**metrics, **_log_evaluation(run, writer, step, tqdm.tqdm.write)}
       if exp.train.eval_suites and (step % (exp.train.eval_suites_every or exp.train.eval_every)
                                     == 0 or stop):
         metrics = {**metrics, **run_eval_suites(run, writer, step)}
