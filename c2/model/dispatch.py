@@ -76,12 +76,16 @@ def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_g
 
   Same result as `local_ffn` (dropless by construction) at E/K times the expert FLOPs but as
   three batched matmuls with no sort or scatter: the fastest path for small E on CPU, where
-  `ragged_dot` has no fast kernel (`python -m c2.bench moe` measures the choice).
+  `ragged_dot` has no fast kernel (`python -m c2.bench moe` measures the choice). A handful of
+  tokens (batch-1 decoding) runs through its chosen experts only instead.
   """
   num_experts = w_gate.shape[0]
+  n, k = expert_ids.shape
+  if 4 * n * k <= num_experts:
+    return _chosen_experts_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
   mix = jnp.einsum("NK,NKE->NE", weights,
                    jax.nn.one_hot(expert_ids, num_experts, dtype=weights.dtype))  # [N, E]
-  n, d = x.shape
+  d = x.shape[-1]
   if n < w_gate.shape[-1]:
     # Few tokens (decoding): as a batched matmul over experts. The unbatched form makes XLA:CPU
     # transpose every expert's weights into a [E * F, D] matrix each call, which costs more than
@@ -94,6 +98,22 @@ def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_g
     u = jnp.einsum("ND,EDF->ENF", x, w_up)
   y = jnp.einsum("ENF,EFD->END", jax.nn.silu(g) * u, w_down)
   return jnp.einsum("END,NE->ND", y, mix.astype(y.dtype), preferred_element_type=jnp.float32)
+
+
+def _chosen_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """Each token through its own K experts only, their weights gathered: for so few tokens that
+  the chosen experts' weights are at most a quarter of all (batch-1 decoding). Reading only
+  those is what a memory-bound step costs: 47 vs 137 us per tiny MoE layer at N = 1 on CPU,
+  where at N = 2 (half the weights) the gathers already cost more than the batched form."""
+  y = jnp.zeros(x.shape, jnp.float32)
+  for choice in range(expert_ids.shape[1]):
+    ids = expert_ids[:, choice]  # [N]
+    g = jnp.einsum("ND,NDF->NF", x, jnp.take(w_gate, ids, axis=0))
+    u = jnp.einsum("ND,NDF->NF", x, jnp.take(w_up, ids, axis=0))
+    out = jnp.einsum("NF,NFD->ND", jax.nn.silu(g) * u, jnp.take(w_down, ids, axis=0))
+    y = y + out.astype(jnp.float32) * weights[:, choice:choice + 1].astype(jnp.float32)
+  return y
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:

@@ -72,9 +72,12 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Arr
   old = jnp.where(old_visible[:, None, None, :], scores(cache.kv), _MASK_VALUE)
   new = jnp.where(new_visible[:, None], scores(new_entries), _MASK_VALUE)
   probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)  # [B, H, T, S + T]
-  out_entry = (jnp.einsum("BHTS,BSC->BTHC", probs[..., :s], cache.kv.astype(f32)) +
-               jnp.einsum("BHTS,BSC->BTHC", probs[..., s:], new_entries.astype(f32)))
-  out_lat = out_entry[..., :l]  # [B, T, H, L]
+  # [B, H, T, C] is the product's natural layout; asking XLA:CPU for [B, T, H, C] directly made
+  # it run the product as an unfused dot with the cache transposed (measured 180 vs 32 us per
+  # layer at B = 16 decode rows, 20 vs 12 at B = 1); the transpose of the small result is cheap.
+  out_entry = (jnp.einsum("BHTS,BSC->BHTC", probs[..., :s], cache.kv.astype(f32)) +
+               jnp.einsum("BHTS,BSC->BHTC", probs[..., s:], new_entries.astype(f32)))
+  out_lat = out_entry[..., :l].transpose(0, 2, 1, 3)  # [B, T, H, L]
   out = jnp.einsum("BTHL,LHJ->BTHJ", out_lat.astype(q_nope.dtype), w_uv,
                    preferred_element_type=f32)
   return out.astype(q_nope.dtype)

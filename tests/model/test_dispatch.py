@@ -54,6 +54,25 @@ def test_local_dispatch_is_dropless(impl, skewed):
   np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 16, 64])  # 1: the chosen-experts path; else all experts
+def test_all_experts_ffn_equals_reference_and_its_gradient(tokens):
+  x, ids, w = _routes(1, skewed=False)
+  x, ids, w = x[:tokens], ids[:tokens], w[:tokens]
+  gate, up, down = _weights()
+  out = dispatch.all_experts_ffn(x, ids, w, gate, up, down)
+  np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
+  # Gradients to the inputs, the combine weights and every expert's weights (the unchosen get 0).
+  gmm = functools.partial(grouped_matmul, impl="ragged_dot")
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))
+  args = (x, w, gate, up, down)
+  dense = jax.grad(loss(lambda x, w, *ws: dispatch.all_experts_ffn(x, ids, w, *ws)),
+                   argnums=range(5))(*args)
+  sorted_ = jax.grad(loss(lambda x, w, *ws: dispatch.local_ffn(x, ids, w, *ws, gmm)),
+                     argnums=range(5))(*args)
+  for a, b in zip(dense, sorted_):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["ragged_dot", "dense"])
 def test_grouped_matmul_groups_and_tail(impl):
   rng = np.random.default_rng(3)
