@@ -7,9 +7,12 @@
 Params are given as trained (layers stacked); the engine unstacks them (see `scan_layers`).
 
 Each `step()` admits queued requests into free slots, runs one prompt chunk for up to
-`prefill_rows` prefilling slots, then one decode step (plain, or speculative with the MTP drafter)
-for every decoding slot. A slot whose sequence finishes is free for the next request at the next
-step; the others never wait for it. Requests that cannot run (empty prompt, prompt longer than a
+`prefill_rows` prefilling slots, then `decode_steps` decode steps (plain, or speculative with the
+MTP drafter) for every decoding slot in one device call. A slot whose sequence finishes is free
+for the next request at the next `step()`; the others never wait for it. Several decode steps per
+call amortise the host's per-call cost (dispatch, transfer, bookkeeping) at the price of a
+finished row idling for the rest of its call; outputs do not depend on `decode_steps` (every
+draw is keyed by the request's seed and the token's position). Requests that cannot run (empty prompt, prompt longer than a
 slot, ids outside the vocabulary) finish at once with finish_reason "error" and a message; the
 batch goes on.
 
@@ -82,11 +85,12 @@ def forced_routes(result: Result) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_steps(cfg: ModelConfig, draft_depth: int):
-  """The jitted steps, shared by every engine of one (config, draft depth): compiled once."""
+def _jitted_steps(cfg: ModelConfig, draft_depth: int, decode_steps: int):
+  """The jitted steps, shared by every engine of one (config, draft depth, decode steps):
+  compiled once."""
   jit = lambda fn, **kw: jax.jit(functools.partial(fn, cfg=cfg, **kw), donate_argnums=(1,))
-  return (jit(steps.prefill, draft_depth=draft_depth), jit(steps.decode),
-          jit(steps.speculate, draft_depth=draft_depth))
+  return (jit(steps.prefill, draft_depth=draft_depth),
+          jit(steps.decode_steps, num_steps=decode_steps, draft_depth=draft_depth))
 
 
 class _Slot:
@@ -124,9 +128,11 @@ class Engine:
                prefill_chunk: int = 128, prefill_rows: int = 1, draft_depth: int = 0,
                cache_dtype=None, mesh: Optional[jax.sharding.Mesh] = None,
                detokenize: Optional[Callable[[list[int]], str]] = None, version: int = 0,
-               scan_layers: bool = False, prefix_cache: bool = False):
+               scan_layers: bool = False, prefix_cache: bool = False, decode_steps: int = 4):
     if draft_depth and not cfg.mtp_depth:
       raise ValueError("draft_depth > 0 needs MTP modules (ModelConfig.mtp_depth >= 1)")
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
     # Unrolled layers by default (one module and one cache array per layer), measured better on
     # both backends: XLA:CPU copies each layer's slice of stacked weights every step (most of the
     # tiny model's batch-1 step), and XLA:TPU copies the whole stacked cache around the layer scan
@@ -135,12 +141,13 @@ class Engine:
     cfg = cfg.replace(scan_layers=scan_layers)
     self.cfg, self.mesh, self.detokenize = cfg, mesh, detokenize
     self.slots, self.capacity, self.draft_depth = slots, capacity, draft_depth
+    self.decode_steps = decode_steps
     self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
     self.params, self.version = self._place(params), version
     self.cache = cache_lib.allocate(cfg, slots, capacity, draft_depth, cache_dtype, mesh)
     if mesh is None:  # committed like the steps' outputs, so the first step's compile is reused
       self.cache = jax.device_put(self.cache, jax.devices()[0])
-    self._prefill, self._decode, self._speculate = _jitted_steps(cfg, draft_depth)
+    self._prefill, self._decode = _jitted_steps(cfg, draft_depth, decode_steps)
     self._queue: collections.deque = collections.deque()
     self._active: list[Optional[_Slot]] = [None] * slots
     self._pending_tokens = np.zeros(slots, np.int32)  # last emitted token per slot
@@ -333,32 +340,31 @@ class Engine:
     return routes[:, row, :count].transpose(1, 0, 2).astype(np.uint16)
 
   def _decode_step(self) -> list[TokenEvent]:
-    # No capacity check is needed here: _emit ends a sequence at `capacity` tokens, and a
-    # speculative step's writes past the end are dropped (its queries see their own chunk's
-    # keys directly, so the tokens it emits within capacity are still exact).
+    # No capacity check is needed here: _emit ends a sequence at `capacity` tokens, and writes
+    # past the end are dropped (a speculative step's queries see their own chunk's keys
+    # directly, so the tokens it emits within capacity are still exact).
     active = np.array([s is not None and s.decoding for s in self._active])
     if not active.any():
       return []
-    sampling = self._sampling(self._active)
-    if self.draft_depth:
-      self.cache, accepted, emitted, logprobs, routes = self._speculate(
-          self.params, self.cache, self._pending_tokens, active, sampling)
-      accepted, emitted, logprobs, routes = jax.device_get((accepted, emitted, logprobs, routes))
-    else:
-      self.cache, emitted, logprobs, routes = self._decode(
-          self.params, self.cache, self._pending_tokens, active, sampling)
-      emitted, logprobs, routes = jax.device_get((emitted, logprobs, routes))
-      accepted, emitted, logprobs = np.zeros_like(emitted), emitted[:, None], logprobs[:, None]
-    self.stats["decode_steps"] += 1
+    self.cache, *outputs = self._decode(self.params, self.cache, self._pending_tokens, active,
+                                        self._sampling(self._active))
+    counts, emitted, logprobs, routes = jax.device_get(outputs)  # [N, S], [N, S, W] x2, routes
+    self.stats["decode_steps"] += self.decode_steps
     events = []
     for i in np.flatnonzero(active):
-      slot, a = self._active[i], int(accepted[i])
-      self.stats["decode_rows"] += 1
+      # This row's tokens of all S steps, in order: the first counts[s] of step s.
+      valid = np.arange(emitted.shape[2])[None, :] < counts[i][:, None]  # [S, W]
+      block = (routes[:, i].transpose(1, 2, 0, 3)[valid] if routes.ndim == 5 else
+               np.zeros((int(counts[i].sum()), 0, self.cfg.experts_per_token)))
+      self._active[i].routes.append(block.astype(np.uint16))  # [fed tokens, Y, K]
+      self._active[i].cached += int(counts[i].sum())
+      event = self._emit(i, emitted[i][valid].tolist(), logprobs[i][valid].tolist())[0]
+      # Per-step statistics over the steps whose tokens were kept (not those run past a stop).
+      ran = int(np.searchsorted(np.cumsum(counts[i]), len(event.token_ids))) + 1
+      self.stats["decode_rows"] += ran
       for j in range(self.draft_depth):
-        self.stats[f"accepted_depth_{j + 1}"] += int(a > j)
-      slot.routes.append(self._route_block(routes, i, a + 1))
-      slot.cached += a + 1
-      events += self._emit(i, emitted[i, :a + 1].tolist(), logprobs[i, :a + 1].tolist())
+        self.stats[f"accepted_depth_{j + 1}"] += int(np.sum(counts[i, :ran] > j + 1))
+      events.append(event)
     return events
 
   def _emit(self, index: int, tokens: list[int], logprobs: list[float]) -> list[TokenEvent]:

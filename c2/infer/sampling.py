@@ -16,6 +16,7 @@ differently (continuous vs static batching give the same sequences).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -107,15 +108,38 @@ def row_keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
 
 
 def draw(dist: jax.Array, keys: jax.Array) -> jax.Array:
-  """One token per row from log-probs [B, V] (Gumbel-max) -> int32 [B]."""
-  gumbel = jax.vmap(lambda key: jax.random.gumbel(key, dist.shape[-1:], jnp.float32))(keys)
-  return argmax(dist + gumbel)
+  """One token per row from log-probs [B, V] -> int32 [B], by inverting the CDF at one uniform
+  per row. Two levels keep the prefix sums short: blocks of ~sqrt(V) tokens, then the tokens of
+  the chosen block. One uniform instead of Gumbel-max's V noise draws per row: 94 vs 579 us at
+  [16, 4096] on CPU (35 vs 102 at one row), where sampling was a sixth of a decode step.
+
+  Never returns a token of probability 0: the chosen block and token are the first whose prefix
+  sum reaches the target (a zero-mass one adds nothing, so it cannot be first), the target is
+  positive (u in (0, 1]), and a rounding overshoot past the block's own prefix sum falls back to
+  its last token of positive probability.
+  """
+  b, v = dist.shape
+  width = math.isqrt(v - 1) + 1  # ceil(sqrt(v))
+  blocks = -(-v // width)
+  probs = jnp.exp(dist.astype(jnp.float32))
+  probs = jnp.pad(probs, ((0, 0), (0, blocks * width - v))).reshape(b, blocks, width)
+  ends = jnp.cumsum(probs.sum(-1), axis=-1)  # [B, blocks] inclusive prefix sums of block masses
+  u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key))(keys)  # (0, 1]
+  target = u * ends[:, -1]  # (0, total]
+  block = jnp.minimum(jnp.sum(ends < target[:, None], axis=-1), blocks - 1)  # [B]
+  start = jnp.where(block > 0, jnp.take_along_axis(ends, jnp.maximum(block - 1, 0)[:, None],
+                                                   axis=-1)[:, 0], 0.0)
+  inside = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]  # [B, width]
+  index = jnp.sum(jnp.cumsum(inside, axis=-1) < (target - start)[:, None], axis=-1)
+  last_positive = width - 1 - argmax((inside > 0)[:, ::-1].astype(jnp.int32))
+  index = jnp.where(index < width, index, last_positive)
+  return (block * width + index).astype(jnp.int32)
 
 
 def draw_tokens(dist: jax.Array, temperature: jax.Array, seeds: jax.Array, positions: jax.Array,
                 stream: int) -> jax.Array:
-  """`draw` with each row's key; an all-greedy batch skips the Gumbel noise (its point masses
-  give the same argmax)."""
+  """`draw` with each row's key; an all-greedy batch skips the draw (its point masses give the
+  same argmax)."""
   return jax.lax.cond(
       jnp.all(temperature <= 0), lambda: argmax(dist),
       lambda: draw(dist, row_keys(seeds, positions, stream)))

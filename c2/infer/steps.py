@@ -1,7 +1,7 @@
 """The engine's device steps: chunked prefill, plain decode, speculative decode. Pure functions.
 
 Glossary: N slots, P prefill rows, T chunk length, V vocabulary, D draft depth, W = D + 1,
-Y MoE layers, K experts per token.
+Y MoE layers, K experts per token, S decode steps per call.
 
 Each takes (params, cache, ...) and returns the new cache plus what the host needs: sampled
 tokens, their float32 log-probs and the routes chosen at every MoE layer for every token fed in
@@ -173,3 +173,29 @@ def speculate(params, cache: EngineCache, tokens: jax.Array, active: jax.Array, 
       pending_tokens=keep(emitted, cache.pending_tokens),
       pending_count=keep(num_accepted + 1, cache.pending_count))
   return cache, num_accepted, emitted, _pick(reported, emitted), _routes(out)
+
+
+def decode_steps(params, cache: EngineCache, tokens: jax.Array, active: jax.Array, sampling: dict,
+                 *, cfg: ModelConfig, num_steps: int, draft_depth: int):
+  """`num_steps` decode steps in one call (plain, or speculative with `draft_depth` drafts), each
+  feeding the last token the one before emitted. What a call costs the host (dispatch, the
+  transfer back, bookkeeping) is then paid once per S steps: on CPU it was a third of a batch-1
+  step. A row that meets a stop condition mid-call runs on to the end of it; the host drops what
+  it emitted after the stop (as speculative tokens past a stop), and the slot is freed.
+  -> (cache, counts [N, S] tokens emitted per step (accepted drafts + 1), tokens [N, S, W],
+      logprobs [N, S, W], routes [Y, N, S, W, K] of the fed tokens (the first counts of each))"""
+  def one_step(carry, _):
+    cache, last = carry
+    if draft_depth:
+      cache, accepted, emitted, logprobs, routes = speculate(
+          params, cache, last, active, sampling, cfg=cfg, draft_depth=draft_depth)
+    else:
+      cache, drawn, logprob, routes = decode(params, cache, last, active, sampling, cfg=cfg)
+      accepted, emitted, logprobs = jnp.zeros_like(drawn), drawn[:, None], logprob[:, None]
+    last = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+    return (cache, last), (accepted + 1, emitted, logprobs, routes)
+
+  (cache, _), (counts, emitted, logprobs, routes) = jax.lax.scan(
+      one_step, (cache, tokens), None, length=num_steps)
+  routes = jnp.moveaxis(routes, 0, 2) if routes.ndim == 5 else routes  # [S, Y, N, W, K] -> Y N S
+  return cache, counts.T, jnp.swapaxes(emitted, 0, 1), jnp.swapaxes(logprobs, 0, 1), routes

@@ -109,11 +109,11 @@ def _timed_pair(fn_a, fn_b, repeats: int):
 
 
 def make_engine(cfg: ModelConfig, params, slots: int, capacity: int, draft_depth: int = 0,
-                prefill_rows: Optional[int] = None):
+                prefill_rows: Optional[int] = None, decode_steps: int = 4):
   """prefill_rows (default: all slots, one prefill step for a static batch) is a fixed shape:
   with continuous batching each admission pays for all of its rows, so use 1 there."""
   return Engine(cfg, params, slots=slots, capacity=capacity, prefill_rows=prefill_rows or slots,
-                draft_depth=draft_depth)
+                draft_depth=draft_depth, decode_steps=decode_steps)
 
 
 # ---------------------------------------------------------------------------------- 1. vs HF
@@ -209,6 +209,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--requests", type=int, default=32, help="for continuous vs static")
   parser.add_argument("--slots", type=int, default=8, help="for continuous vs static")
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--decode-steps", type=int, default=4,
+                      help="decode steps per device call (Engine(decode_steps=)), every engine")
   parser.add_argument("--serial-prompts", type=int, default=8, help=(
       "prompts served one after another at batch 1 (acceptance over one 96-token sequence is "
       "too noisy to read)"))
@@ -227,7 +229,8 @@ def main(argv: list[str]) -> int:
     params, tokenizer = model.init_params(cfg, jax.random.key(0)), None
     source = f"random init of {args.preset}: acceptance figures are meaningless"
   print(f"backend {jax.default_backend()}  model {source}  float32  prompts "
-        f"{args.prompt_tokens} tokens of held-out code  new tokens {args.new_tokens}")
+        f"{args.prompt_tokens} tokens of held-out code  new tokens {args.new_tokens}  "
+        f"decode steps per call {args.decode_steps}")
   prompts = heldout_prompts(tokenizer, max(batches + [args.requests, args.serial_prompts]),
                             args.prompt_tokens, cfg.vocab_size)
   # Batch 1 serves --serial-prompts requests in turn; a larger batch serves one batch of them.
@@ -246,7 +249,8 @@ def main(argv: list[str]) -> int:
 
   def engine(slots: int, depth: int = 0) -> Engine:
     if (slots, depth) not in engines:
-      engines[slots, depth] = make_engine(cfg, params, slots, capacity, depth)
+      engines[slots, depth] = make_engine(cfg, params, slots, capacity, depth,
+                                          decode_steps=args.decode_steps)
     return engines[slots, depth]
 
   if "hf" not in skip:
@@ -284,7 +288,8 @@ def main(argv: list[str]) -> int:
     lengths = np.random.default_rng(1).integers(8, 129, args.requests).tolist()
     print(f"\n3. continuous vs static batching: {args.requests} requests, max_new_tokens "
           f"{min(lengths)}..{max(lengths)}, {args.slots} slots, temperature 1")
-    r = batching(make_engine(cfg, params, args.slots, capacity, prefill_rows=1),
+    r = batching(make_engine(cfg, params, args.slots, capacity, prefill_rows=1,
+                             decode_steps=args.decode_steps),
                  prompts[:args.requests], lengths, args.repeats)
     if r["matching"] != r["total"]:
       failed.append(f"batching: {r['total'] - r['matching']} sequences differ between policies")

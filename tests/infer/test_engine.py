@@ -91,13 +91,16 @@ def test_replayed_routes_reproduce_sampler_logprobs(small_cfg, params, prompts):
 def test_weight_swap_mid_generation(small_cfg, params, prompts):
   new_params = model.init_params(small_cfg, jax.random.key(7))
   engine = Engine(small_cfg, params, slots=2, capacity=64, prefill_chunk=8)
-  prompt, swap_after = prompts[1], 4
+  prompt, swap_after = prompts[1], None
   request = Request(prompt, SamplingParams(max_new_tokens=10, temperature=0.0))
   for event in engine.stream(request):
     if event.result is not None:
       result = event.result
-    elif len(engine._active[0].tokens) == swap_after:  # pylint: disable=protected-access
+    elif swap_after is None and len(engine._active[0].tokens) >= 2:  # pylint: disable=protected-access
+      # Taken before the next call: after the prefill's token and one call's decode_steps.
+      swap_after = len(engine._active[0].tokens)  # pylint: disable=protected-access
       engine.update_weights(new_params, version=1)
+  assert swap_after == 1 + engine.decode_steps
   assert result.versions == [0] * swap_after + [1] * (10 - swap_after)
   # Reference: the cache the old weights build over prompt + first tokens, then the new weights.
   cfg = small_cfg
@@ -187,6 +190,37 @@ def test_stop_tokens_and_max_tokens(small_cfg, params, prompts, reference):
   assert result.token_ids == reference[3][:first + 1]
   assert result.finish_reason == "stop" and result.stop == stop
   assert result.routes.shape[0] == len(prompts[3]) + first
+
+
+@pytest.mark.parametrize("draft_depth", [0, 1])
+def test_decode_steps_per_call_change_nothing_but_speed(small_cfg, params, prompts, draft_depth):
+  """Several decode steps per device call (Engine(decode_steps=)) give what one step per call
+  gives: tokens, log-probs, versions and routes, over slot reuse, stop tokens met mid-call,
+  max_new_tokens not a multiple of the steps, and the end of a slot's capacity; the acceptance
+  statistics count only steps whose tokens were kept."""
+  requests = lambda: [
+      Request(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=i,
+                                stop_token_ids=tuple(range(2, 40)) if i % 2 == 0 else ()))
+      for i, (p, n) in enumerate(zip(prompts * 2, (9, 3, 13, 40, 6, 1, 8, 5, 30, 2)))]
+  runs = []
+  for decode_steps in (1, 3):
+    engine = Engine(small_cfg, params, slots=3, capacity=48, prefill_chunk=8,
+                    draft_depth=draft_depth, decode_steps=decode_steps)
+    runs.append((engine.generate(requests()), engine.stats))
+  (one, one_stats), (three, three_stats) = runs
+  assert [r.finish_reason for r in one].count("stop") >= 2  # stops were really met
+  assert any(r.finish_reason == "length" and len(r.prompt_ids) + len(r.token_ids) == 48
+             for r in one)  # and the end of a slot
+  for a, b in zip(one, three):
+    assert (a.token_ids, a.versions, a.finish_reason) == (b.token_ids, b.versions,
+                                                          b.finish_reason)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(a.routes, b.routes)
+    assert a.routes.shape[0] == len(a.prompt_ids) + len(a.token_ids) - 1
+  assert one_stats["tokens"] == three_stats["tokens"]
+  if draft_depth:
+    assert one_stats["decode_rows"] == three_stats["decode_rows"]
+    assert one_stats["accepted_depth_1"] == three_stats["accepted_depth_1"] > 0
 
 
 @pytest.mark.slow  # ~75 s: the Pallas NVFP4 kernel runs interpreted on CPU

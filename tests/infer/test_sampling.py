@@ -73,6 +73,27 @@ def test_draws_follow_the_distribution_and_depend_only_on_seed_and_position():
   np.testing.assert_array_equal(again, tokens[:3])
 
 
+def test_draws_never_take_a_zero_probability_token_and_match_the_distribution():
+  """V = 50 (blocks of 8, the last one partial): zero mass on the first token, on a whole block
+  and on the last tokens; the rest drawn in proportion."""
+  probs = np.random.default_rng(0).random(50)
+  probs[[0, 8, 9, 10, 11, 12, 13, 14, 15, 47, 48, 49]] = 0
+  probs /= probs.sum()
+  n = 40000
+  tokens = np.asarray(sampling.draw(jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)),
+                                                     (n, 50)),
+                                    sampling.row_keys(jnp.arange(n), jnp.full(n, 3),
+                                                      sampling.SAMPLE)))
+  counts = np.bincount(tokens, minlength=50)
+  assert counts[probs == 0].sum() == 0
+  assert chisquare_p(counts[probs > 0], probs[probs > 0]) > 1e-3
+  # A point mass (greedy rows' distribution) always gives its token, wherever it sits.
+  for token in (0, 7, 49):
+    point = jnp.where(jnp.arange(50) == token, 0.0, -jnp.inf)[None].repeat(4, 0)
+    assert np.all(np.asarray(sampling.draw(point, sampling.row_keys(
+        jnp.arange(4), jnp.zeros(4, jnp.int32), sampling.SAMPLE))) == token)
+
+
 def chisquare_p(counts, probs):
   """p-value of counts against probabilities (renormalised in float64: scipy wants equal sums)."""
   probs = np.asarray(probs, np.float64)

@@ -54,7 +54,7 @@ def test_local_dispatch_is_dropless(impl, skewed):
   np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 16, 64])  # 1: the chosen-experts path; else all experts
+@pytest.mark.parametrize("tokens", [1, 2, 3, 16, 64])  # 1, 2: the chosen-experts path; else all
 def test_all_experts_ffn_equals_reference_and_its_gradient(tokens):
   x, ids, w = _routes(1, skewed=False)
   x, ids, w = x[:tokens], ids[:tokens], w[:tokens]
