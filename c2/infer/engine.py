@@ -128,7 +128,8 @@ class Engine:
                prefill_chunk: int = 128, prefill_rows: int = 1, draft_depth: int = 0,
                cache_dtype=None, mesh: Optional[jax.sharding.Mesh] = None,
                detokenize: Optional[Callable[[list[int]], str]] = None, version: int = 0,
-               scan_layers: bool = False, prefix_cache: bool = False, decode_steps: int = 4):
+               scan_layers: bool = False, prefix_cache: bool = False, decode_steps: int = 4,
+               cache_windows: Optional[int] = None):
     if draft_depth and not cfg.mtp_depth:
       raise ValueError("draft_depth > 0 needs MTP modules (ModelConfig.mtp_depth >= 1)")
     if decode_steps < 1:
@@ -138,7 +139,12 @@ class Engine:
     # tiny model's batch-1 step), and XLA:TPU copies the whole stacked cache around the layer scan
     # (full kimi-k2.5, 512 x 128k on v5p-128: 40 GiB of temporaries scanned, 6.8 unrolled). The
     # scan compiles faster (68 s vs 281 s there): scan_layers=True trades memory for that.
-    cfg = cfg.replace(scan_layers=scan_layers)
+    # Attention over the smallest of 4 nested prefixes of the cache that holds every live
+    # sequence (ModelConfig.cache_windows); with a mesh, where the length axis may be sharded, the
+    # whole cache unless asked.
+    if cache_windows is None:
+      cache_windows = 4 if mesh is None else 0
+    cfg = cfg.replace(scan_layers=scan_layers, cache_windows=cache_windows)
     self.cfg, self.mesh, self.detokenize = cfg, mesh, detokenize
     self.slots, self.capacity, self.draft_depth = slots, capacity, draft_depth
     self.decode_steps = decode_steps

@@ -110,6 +110,11 @@ class ModelConfig:
   # (params converted by c2.model.unstack_layers). For decoding on CPU, where XLA copies each
   # layer's slice of the stacked weights every step; training and checkpoints use the scan.
   scan_layers: bool = True
+  # Decoding with a latent cache attends over the smallest of this many nested prefixes of the
+  # cache (halving from its capacity) that holds every row's cached tokens, picked per call by a
+  # lax.switch: the cost follows the longest live sequence, not the capacity. 0 or 1: the whole
+  # cache (the engine's choice for a mesh, where the length axis may be sharded).
+  cache_windows: int = 0
 
   def __post_init__(self):
     def positive(name):

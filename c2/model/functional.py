@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from c2.losses import moe_balance
 from c2.model.config import ModelConfig
+from c2.model import latent_cache
 from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
 from c2.model.layers import Embed
 from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback
@@ -112,7 +113,8 @@ def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Arra
                      jnp.dtype(cfg.param_dtype)).apply({"params": params["embed"]}, next_tokens)
   # Every slot (decoding): the module writes its entries before reading (in place, see
   # LayerCacheView.write_through); a subset of rows is a gathered copy, scattered back after.
-  view = LayerCacheView(read_rows(stack, depth, rows), lengths, write_through=rows is None)
+  view = LayerCacheView(read_rows(stack, depth, rows), lengths, write_through=rows is None,
+                        windows=latent_cache.window_sizes(stack.shape[-2], cfg.cache_windows))
   h, hidden, aux = MTPModule(cfg).apply({"params": module_params}, prev_hidden, embeddings,
                                         segment_ids, positions, view)
   if rows is None:

@@ -43,6 +43,20 @@ class LayerCacheView:
   # XLA:CPU copy that layer's whole cache twice per step. Reading the written array is exact:
   # the cached key set is masked to positions below `lengths`, and writes land at or after it.
   write_through: bool = flax.struct.field(pytree_node=False, default=False)
+  # Ascending key-set sizes ending with S (`windows`): attend over the first one that holds
+  # every row's cached tokens. Empty: all S.
+  windows: tuple = flax.struct.field(pytree_node=False, default=())
+
+
+def window_sizes(capacity: int, count: int) -> tuple:
+  """`count` nested prefix sizes of a cache of `capacity` tokens: capacity / 2^k, ascending,
+  rounded up to multiples of 8 (a single window, the whole cache, for count <= 1)."""
+  sizes = {capacity}
+  for k in range(1, max(count, 1)):
+    size = -(-(capacity >> k) // 8) * 8
+    if size >= 8:
+      sizes.add(min(size, capacity))
+  return tuple(sorted(sizes))
 
 
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Array,
@@ -65,18 +79,32 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, new_latent: jax.Arr
   new_entries = jnp.concatenate([new_latent, new_rope_key.astype(new_latent.dtype)], -1)  # [B, T, C]
   scores = lambda keys: jnp.einsum("BTHC,BSC->BHTS", q, keys.astype(f32)) * scale
 
-  t, s = q_nope.shape[1], cache.kv.shape[1]
-  old_visible = jnp.arange(s)[None, :] < cache.lengths[:, None]  # [B, S]
+  t = q_nope.shape[1]
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [T, T]
   new_visible = causal[None] & new_valid[:, None, :]  # [B, T, T]
-  old = jnp.where(old_visible[:, None, None, :], scores(cache.kv), _MASK_VALUE)
   new = jnp.where(new_visible[:, None], scores(new_entries), _MASK_VALUE)
-  probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)  # [B, H, T, S + T]
-  # [B, H, T, C] is the product's natural layout; asking XLA:CPU for [B, T, H, C] directly made
-  # it run the product as an unfused dot with the cache transposed (measured 180 vs 32 us per
-  # layer at B = 16 decode rows, 20 vs 12 at B = 1); the transpose of the small result is cheap.
-  out_entry = (jnp.einsum("BHTS,BSC->BHTC", probs[..., :s], cache.kv.astype(f32)) +
-               jnp.einsum("BHTS,BSC->BHTC", probs[..., s:], new_entries.astype(f32)))
+
+  def attend(kv: jax.Array) -> jax.Array:
+    """Over kv [B, S', C], the cache's first S' positions (all of them cached below S')."""
+    s = kv.shape[1]
+    old_visible = jnp.arange(s)[None, :] < cache.lengths[:, None]  # [B, S']
+    old = jnp.where(old_visible[:, None, None, :], scores(kv), _MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)  # [B, H, T, S' + T]
+    # [B, H, T, C] is the product's natural layout; asking XLA:CPU for [B, T, H, C] directly
+    # made it run the product as an unfused dot with the cache transposed (measured 180 vs 32
+    # us per layer at B = 16 decode rows, 20 vs 12 at B = 1); the small result's transpose is
+    # cheap.
+    return (jnp.einsum("BHTS,BSC->BHTC", probs[..., :s], kv.astype(f32)) +
+            jnp.einsum("BHTS,BSC->BHTC", probs[..., s:], new_entries.astype(f32)))
+
+  if len(cache.windows) > 1:
+    # Measured on CPU, 8 decode rows of capacity 1,536 at 100 cached tokens: see
+    # ModelConfig.cache_windows and the README's engine section.
+    index = jnp.sum(jnp.asarray(cache.windows[:-1]) < jnp.max(cache.lengths))
+    out_entry = jax.lax.switch(index, [lambda w=w: attend(cache.kv[:, :w])
+                                       for w in cache.windows])
+  else:
+    out_entry = attend(cache.kv)
   out_lat = out_entry[..., :l].transpose(0, 2, 1, 3)  # [B, T, H, L]
   out = jnp.einsum("BTHL,LHJ->BTHJ", out_lat.astype(q_nope.dtype), w_uv,
                    preferred_element_type=f32)

@@ -8,11 +8,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from c2 import model
 from c2.infer import cache as cache_lib
 
 TOL = 1e-5
+
+
+def test_window_sizes_nest_and_end_with_the_capacity():
+  from c2.model.latent_cache import window_sizes  # pylint: disable=import-outside-toplevel
+  assert window_sizes(1536, 4) == (192, 384, 768, 1536)
+  assert window_sizes(48, 4) == (8, 16, 24, 48)
+  assert window_sizes(179, 4) == (24, 48, 96, 179)
+  assert window_sizes(64, 1) == window_sizes(64, 0) == (64,)
 
 
 def _setup(cfg, slots=3, capacity=48):
@@ -30,8 +39,9 @@ def _chunk(cfg, params, stacks, tokens, rows, starts):
   return out, jnp.einsum("BTD,DV->BTV", out["hidden"], model.head_kernel(cfg, params))
 
 
-def test_chunked_prefill_and_decode_match_full_forward(small_cfg):
-  cfg = small_cfg
+@pytest.mark.parametrize("windows", [0, 4])  # 4: attention over nested prefixes (8 .. 48)
+def test_chunked_prefill_and_decode_match_full_forward(small_cfg, windows):
+  cfg = small_cfg.replace(cache_windows=windows)
   params, cache = _setup(cfg)
   tokens = jax.random.randint(jax.random.key(1), (2, 30), 0, cfg.vocab_size)
   expected = model.logits(cfg, params, tokens)
@@ -44,8 +54,9 @@ def test_chunked_prefill_and_decode_match_full_forward(small_cfg):
   np.testing.assert_allclose(jnp.concatenate(got, 1), expected, atol=TOL, rtol=0)
 
 
-def test_slot_reuse_sees_only_its_own_sequence(small_cfg):
-  cfg = small_cfg
+@pytest.mark.parametrize("windows", [0, 4])
+def test_slot_reuse_sees_only_its_own_sequence(small_cfg, windows):
+  cfg = small_cfg.replace(cache_windows=windows)
   params, cache = _setup(cfg)
   stacks, row = cache.trunk_stacks, jnp.array([1])
   old = jax.random.randint(jax.random.key(2), (1, 40), 0, cfg.vocab_size)
