@@ -5,7 +5,8 @@
 
 Every figure is a ratio of two runs in this process on the same weights (CPU timings are noisy:
 read the ratios; each side is the best of --repeats timed runs, the two sides' runs interleaved,
-after an untimed warm-up, so compile time is excluded). Batch 1 serves --serial-prompts (8)
+after an untimed warm-up, so compile time is excluded). Every engine runs --decode-steps (4)
+decode steps per device call (Engine(decode_steps=)). Batch 1 serves --serial-prompts (8)
 prompts one after another; batch 16 one batch of 16. Computation is float32 throughout. Prompts are windows of held-out
 code (stdlib files of the `heldout` split, c2/data/stdlib_corpus.py: never trained on).
   1. c2 vs transformers: Engine greedy decoding vs `DeepseekV3ForCausalLM.generate` (greedy,
