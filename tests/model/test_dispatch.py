@@ -54,9 +54,11 @@ def test_local_dispatch_is_dropless(impl, skewed):
   np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 16, 64])  # 1, 2: the chosen-experts path; else all
-def test_all_experts_ffn_equals_reference_and_its_gradient(tokens):
-  x, ids, w = _routes(1, skewed=False)
+# 1, 2: the chosen experts; 3: all experts; 16, 64: per-expert groups padded to the largest
+@pytest.mark.parametrize("tokens,skewed", [(1, False), (2, False), (3, False), (16, False),
+                                           (64, False), (16, True)])  # skewed: largest group N
+def test_all_experts_ffn_equals_reference_and_its_gradient(tokens, skewed):
+  x, ids, w = _routes(1, skewed=skewed)
   x, ids, w = x[:tokens], ids[:tokens], w[:tokens]
   gate, up, down = _weights()
   out = dispatch.all_experts_ffn(x, ids, w, gate, up, down)
