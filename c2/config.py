@@ -128,6 +128,7 @@ class RLConfig:
   engine_slots: int = 16  # decode batch per engine
   draft_depth: int = 0  # MTP speculative decoding in rollouts
   prefix_cache: bool = True  # engines reuse the cache of a rollout's previous turn
+  decode_steps: int = 4  # decode steps per engine call (c2.infer.Engine(decode_steps=))
   tasks: str = "generated"  # generated (c2/envs/task_generator.py) | jsonl:PATH (c2/envs/tasks.py)
   task_levels: str = "1"  # generated tasks: comma-separated ladder levels
   train_tasks: int = 4000  # generated tasks of the train split (each used once)
@@ -411,6 +412,9 @@ def _validate_rl(exp: ExperimentConfig) -> None:
     raise ConfigError("config.rl.group_size must be >= 2: advantages are relative to the group")
   if rl.max_staleness < 0 or rl.groups_per_step < 1 or rl.env_workers < 1:
     raise ConfigError("config.rl.max_staleness must be >= 0, groups_per_step and env_workers >= 1")
+  if rl.decode_steps < 1:
+    raise ConfigError(f"config.rl.decode_steps={rl.decode_steps}: decode steps per engine call "
+                      f"must be >= 1 (1: one token per call)")
   if rl.max_context > data.seq_len:
     raise ConfigError(f"config.rl.max_context={rl.max_context} exceeds data.seq_len="
                       f"{data.seq_len}: a rollout context must fit one packed row; raise "

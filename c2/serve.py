@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--capacity", type=int, default=4096)
   parser.add_argument("--prefill-chunk", type=int, default=128)
   parser.add_argument("--draft-depth", type=int, default=0, help="MTP speculative tokens")
+  parser.add_argument("--decode-steps", type=int, default=4,
+                      help="decode steps per device call (tokens stream in groups of this many)")
   parser.add_argument("--model-name", default=None, help="served id (default: DIR's basename)")
   parser.add_argument("--log-level", default="WARNING")
   return parser.parse_args(argv)
@@ -54,7 +56,7 @@ def main(argv=None) -> None:
   server = server_lib.make_server(
       cfg, params, tokenizer, host=args.host, port=args.port, slots=args.slots,
       capacity=args.capacity, prefill_chunk=args.prefill_chunk, draft_depth=args.draft_depth,
-      model_name=name)
+      decode_steps=args.decode_steps, model_name=name)
   host, port = server.server_address[:2]
   signal.signal(signal.SIGTERM, _stop_on_sigterm)
   server_lib.serve(server, ready_message=f"c2.serve: ready on http://{host}:{port}")

@@ -103,6 +103,7 @@ def test_rl_experiment_variants_convert_with_their_environment(variant):
     ("rl.kl_placement", "both", "choose reward, loss or none"),
     ("rl.drop_uniform_groups", "true", "choose off, reward or outcome"),
     ("rl.group_size", 1, "group_size must be >= 2"),
+    ("rl.decode_steps", 0, "must be >= 1"),
     ("rl.max_context", 4096, "exceeds data.seq_len"),
     ("rl.task_levels", "1,x", "comma-separated integers"),
     ("rl.tasks", "s3://tasks", "jsonl:"),

@@ -239,11 +239,13 @@ class Server(http.server.ThreadingHTTPServer):
 
 def make_server(cfg: ModelConfig, params, tokenizer: Tokenizer, *, host: str = "127.0.0.1",
                 port: int = 8000, slots: int = 8, capacity: int = 4096, prefill_chunk: int = 128,
-                draft_depth: int = 0, model_name: str = "c2", warmup: bool = True) -> Server:
+                draft_depth: int = 0, decode_steps: int = 4, model_name: str = "c2",
+                warmup: bool = True) -> Server:
   """Builds the engine (compiling it first when `warmup`, so the first request is not slow)
   and a server bound to (host, port); port 0 picks a free one (`server.server_address`)."""
   engine = Engine(cfg, params, slots=slots, capacity=capacity, prefill_chunk=prefill_chunk,
-                  draft_depth=draft_depth, detokenize=tokenizer.decode)
+                  draft_depth=draft_depth, decode_steps=decode_steps,
+                  detokenize=tokenizer.decode)
   if warmup:
     started = time.time()
     engine.generate([Request([tokenizer.bos_id], SamplingParams(max_new_tokens=2))])

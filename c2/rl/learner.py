@@ -117,7 +117,7 @@ def worker_spec(exp: ExperimentConfig, workdir: str, tokenizer_path: str) -> Wor
                     tokenizer_path=tokenizer_path, env=env, sampling=sampling,
                     max_context=rl.max_context or exp.data.seq_len,
                     engine_slots=rl.engine_slots, draft_depth=rl.draft_depth,
-                    prefix_cache=rl.prefix_cache)
+                    prefix_cache=rl.prefix_cache, decode_steps=rl.decode_steps)
 
 
 def _tokenizer_path(exp: ExperimentConfig, workdir: str) -> str:

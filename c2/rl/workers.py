@@ -46,6 +46,7 @@ class WorkerSpec:
   prefill_chunk: int = 256
   draft_depth: int = 0  # MTP speculative decoding in rollouts (0: plain decoding)
   prefix_cache: bool = True  # a turn prefills only what the previous turn's slot lacks
+  decode_steps: int = 4  # decode steps per engine call
 
 
 def load_worker_tokenizer(spec: WorkerSpec) -> Tokenizer:
@@ -63,7 +64,8 @@ class EngineHost:
     params = self.store.load(version)
     self.engine = Engine(spec.model, params, slots=spec.engine_slots, capacity=spec.max_context,
                          prefill_chunk=spec.prefill_chunk, draft_depth=spec.draft_depth,
-                         version=version, prefix_cache=spec.prefix_cache)
+                         version=version, prefix_cache=spec.prefix_cache,
+                         decode_steps=spec.decode_steps)
     self.worker = EngineWorker(self.engine)
     self.dead = threading.Event()
     self._loading = threading.Lock()
