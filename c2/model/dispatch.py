@@ -82,7 +82,7 @@ def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_g
   """
   num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
-  if 2 * n * k <= num_experts <= 64:
+  if 2 * n * k <= num_experts:
     return _chosen_experts_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
   if 16 <= n <= 1024:
     return _capacity_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
@@ -147,7 +147,7 @@ def _chosen_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
   verify). Reading only those is what a memory-bound step costs. Measured per tiny MoE layer on
   CPU inside the engine's decode loop (a scan): 16 / 52 us at N = 1 / 2 against 91 / 109 for
   all experts; a `lax.switch` over static expert slices took 30 / 52 there but several times
-  longer in the engine's step. Up to 64 experts (the gathers' index vectors stay small)."""
+  longer in the engine's step."""
   y = jnp.zeros(x.shape, jnp.float32)
   for choice in range(expert_ids.shape[1]):
     ids = expert_ids[:, choice]  # [N]
