@@ -12,9 +12,9 @@ MTP drafter) for every decoding slot in one device call. A slot whose sequence f
 for the next request at the next `step()`; the others never wait for it. Several decode steps per
 call amortise the host's per-call cost (dispatch, transfer, bookkeeping) at the price of a
 finished row idling for the rest of its call; outputs do not depend on `decode_steps` (every
-draw is keyed by the request's seed and the token's position). Requests that cannot run (empty prompt, prompt longer than a
-slot, ids outside the vocabulary) finish at once with finish_reason "error" and a message; the
-batch goes on.
+draw is keyed by the request's seed and the token's position). Requests that cannot run (empty
+prompt, prompt longer than a slot, ids outside the vocabulary) finish at once with finish_reason
+"error" and a message; the batch goes on.
 
 Every emitted token carries its float32 log-prob under the sampling distribution and the policy
 version of the weights that produced it; every token fed to the model carries the expert ids it

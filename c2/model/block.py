@@ -15,9 +15,8 @@ import jax.numpy as jnp
 
 from c2.model.config import ModelConfig
 from c2.model import dispatch
-from c2.model import latent_cache
 from c2.model.attention import MLAttention
-from c2.model.latent_cache import LayerCacheView, write_entries
+from c2.model.latent_cache import LayerCacheView, window_sizes, write_entries
 from c2.model.layers import GatedFFN, RMSNorm
 from c2.ops import splash_attention
 from c2.model.moe import MoE
@@ -155,8 +154,7 @@ class BlockStack(nn.Module):
     def cached_body(module, x, scanned):
       layer_cache, layer_routes = scanned  # [slots, S, C], one layer's slice of the stack
       view = LayerCacheView(layer_cache if rows is None else layer_cache[rows], lengths,
-                            windows=latent_cache.window_sizes(layer_cache.shape[-2],
-                                                         self.cfg.cache_windows))
+                            windows=window_sizes(layer_cache.shape[-2], self.cfg.cache_windows))
       return module(x, segment_ids, positions, layer_routes, view)
 
     x, aux = scan(cached_body)(module, x, (stack, forced_routes))
@@ -174,8 +172,7 @@ class BlockStack(nn.Module):
         own_array = isinstance(stack, (tuple, list)) and rows is None
         view = LayerCacheView(stack[i] if rows is None else stack[i][rows], lengths,
                               write_through=own_array,
-                              windows=latent_cache.window_sizes(stack[i].shape[-2],
-                                                           self.cfg.cache_windows))
+                              windows=window_sizes(stack[i].shape[-2], self.cfg.cache_windows))
       layer_routes = None if forced_routes is None else forced_routes[i]
       x, aux = block(self.cfg, self.use_moe, self.replay_fallback, name=f"layer_{i}")(
           x, segment_ids, positions, layer_routes, view)

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from c2.losses import moe_balance
 from c2.model.config import ModelConfig
-from c2.model import latent_cache
-from c2.model.latent_cache import LayerCacheView, read_rows, write_entries
+from c2.model.latent_cache import (LayerCacheView, read_rows, window_sizes,
+                                   write_entries)
 from c2.model.layers import Embed
 from c2.model.router import DEFAULT_REPLAY_FALLBACK, ReplayFallback
 from c2.model.transformer import MTPModule, Transformer
@@ -114,7 +114,7 @@ def mtp_step(cfg: ModelConfig, params: Params, depth: int, prev_hidden: jax.Arra
   # Every slot (decoding): the module writes its entries before reading (in place, see
   # LayerCacheView.write_through); a subset of rows is a gathered copy, scattered back after.
   view = LayerCacheView(read_rows(stack, depth, rows), lengths, write_through=rows is None,
-                        windows=latent_cache.window_sizes(stack.shape[-2], cfg.cache_windows))
+                        windows=window_sizes(stack.shape[-2], cfg.cache_windows))
   h, hidden, aux = MTPModule(cfg).apply({"params": module_params}, prev_hidden, embeddings,
                                         segment_ids, positions, view)
   if rows is None:
