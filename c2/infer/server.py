@@ -33,6 +33,11 @@ MAX_BODY_BYTES = 64 << 20
 log = logging.getLogger(__name__)
 
 
+def _error_event(request_id: str, message: str) -> TokenEvent:
+  return TokenEvent(request_id, [], [], [], Result(request_id, [], [], [], [], None, "error",
+                                                   error=message))
+
+
 class EngineWorker:
   """Owns the engine on one daemon thread; `submit` may be called from any thread."""
 
@@ -41,17 +46,24 @@ class EngineWorker:
     self._inbox: queue.Queue = queue.Queue()
     self._outboxes: dict[str, queue.Queue] = {}
     self._stopped = threading.Event()
+    self._closing = threading.Lock()  # orders submit against close: see _run's end
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._thread.start()
 
   def submit(self, request: Request) -> queue.Queue:
-    """Returns the queue this request's TokenEvents arrive on (the last one has `.result`)."""
+    """Returns the queue this request's TokenEvents arrive on (the last one has `.result`; an
+    error result once the worker is closed)."""
     outbox: queue.Queue = queue.Queue()
-    self._inbox.put((request, outbox))
+    with self._closing:
+      if self._stopped.is_set():
+        outbox.put(_error_event(request.id, "the engine worker is closed"))
+      else:
+        self._inbox.put((request, outbox))
     return outbox
 
   def close(self) -> None:
-    self._stopped.set()
+    with self._closing:
+      self._stopped.set()
     self._thread.join(timeout=30)
 
   def _take_inbox(self) -> None:
@@ -85,12 +97,19 @@ class EngineWorker:
           outbox.put(event)
         if event.result is not None:
           self._outboxes.pop(event.request_id, None)
+    # Closed. Nothing will serve what is queued or in flight: end each with an error result, or
+    # its caller waits forever (a rollout thread blocked so kept a test process from exiting).
+    # Requests submitted from now on are refused by submit (it checks `_stopped` under the lock
+    # close sets it under), so the inbox is complete here.
+    while not self._inbox.empty():
+      request, outbox = self._inbox.get_nowait()
+      self._outboxes[request.id] = outbox
+    self._fail_all("the engine worker was closed")
 
   def _fail_all(self, message: str) -> None:
     engine = self.engine
     for request_id, outbox in list(self._outboxes.items()):
-      result = Result(request_id, [], [], [], [], None, "error", error=message)
-      outbox.put(TokenEvent(request_id, [], [], [], result))
+      outbox.put(_error_event(request_id, message))
     self._outboxes.clear()
     # Drop what the engine still holds for them (its queue and slots); private, but the
     # alternative is slots that never free.

@@ -238,3 +238,23 @@ def test_low_precision_experts_match_the_trainer(small_cfg, params, prompts):
           c, params), -1)[jnp.arange(11, 15), tokens[0, 12:]]
   np.testing.assert_allclose(trainer(cfg), result.logprobs, atol=1e-5, rtol=0)
   assert np.abs(np.asarray(trainer(small_cfg)) - result.logprobs).max() > 1e-3
+
+
+def test_closing_the_worker_ends_every_request_with_an_error(small_cfg, params, prompts):
+  """No caller waits forever on a closed worker: requests in flight, queued, or submitted after
+  the close all get an error result (a rollout thread blocked otherwise kept a process alive)."""
+  from c2.infer.server import EngineWorker  # pylint: disable=import-outside-toplevel
+  engine = Engine(small_cfg, params, slots=1, capacity=4096, prefill_chunk=8)
+  worker = EngineWorker(engine)
+  long = SamplingParams(max_new_tokens=4000, temperature=0.0)
+  running = worker.submit(Request(prompts[0], long, id="running"))
+  assert running.get(timeout=120).result is None  # a first token: it is in the engine
+  queued = worker.submit(Request(prompts[1], long, id="queued"))  # no free slot
+  worker.close()
+  late = worker.submit(Request(prompts[2], long, id="late"))
+  for outbox, request_id in ((running, "running"), (queued, "queued"), (late, "late")):
+    event = outbox.get(timeout=30)
+    while event.result is None:  # tokens streamed before the close
+      event = outbox.get(timeout=30)
+    assert event.result.finish_reason == "error" and event.request_id == request_id
+    assert "closed" in event.result.error
