@@ -129,6 +129,9 @@ class RLConfig:
   draft_depth: int = 0  # MTP speculative decoding in rollouts
   prefix_cache: bool = True  # engines reuse the cache of a rollout's previous turn
   decode_steps: int = 4  # decode steps per engine call (c2.infer.Engine(decode_steps=))
+  # The engines' compute dtype; "": the model's (model.dtype). On CPU float32 decodes ~2x faster
+  # than bfloat16 (XLA:CPU has no fast bf16 dots); the learner keeps model.dtype either way.
+  engine_dtype: str = ""
   tasks: str = "generated"  # generated (c2/envs/task_generator.py) | jsonl:PATH (c2/envs/tasks.py)
   task_levels: str = "1"  # generated tasks: comma-separated ladder levels
   train_tasks: int = 4000  # generated tasks of the train split (each used once)
@@ -408,6 +411,9 @@ def _validate_rl(exp: ExperimentConfig) -> None:
     raise ConfigError(f"config.rl.kl_placement={rl.kl_placement!r}; choose reward, loss or none")
   if rl.publish_dtype not in ("bfloat16", "float32"):
     raise ConfigError(f"config.rl.publish_dtype={rl.publish_dtype!r}; choose bfloat16 or float32")
+  if rl.engine_dtype not in ("", "bfloat16", "float32"):
+    raise ConfigError(f"config.rl.engine_dtype={rl.engine_dtype!r}; choose bfloat16, float32 or "
+                      "'' (the model's compute dtype)")
   if rl.group_size < 2:
     raise ConfigError("config.rl.group_size must be >= 2: advantages are relative to the group")
   if rl.max_staleness < 0 or rl.groups_per_step < 1 or rl.env_workers < 1:

@@ -85,6 +85,10 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # evaluations at steps 0, 30 and 60 (~4 min each).
     c.optim.peak_lr = 1.5e-4
     c.train.steps = 60
+    # Engines compute in float32 (XLA:CPU's bf16 dots are slow; the learner stays bf16): 6 steps
+    # from the same SFT checkpoint sampled 216 rollouts in 298 s vs 188 in 347 s in bf16 (1.34x
+    # rollouts/s); sampler vs learner log-prob mismatch mean 0.002 vs 0.001, p99 0.045 vs 0.036.
+    c.rl.engine_dtype = "float32"
     c.rl.update(kl_coef=0.05, eval_samples=4, eval_every=30, drop_uniform_groups="reward")
   elif variant == "full":
     layouts.full(c)

@@ -98,12 +98,25 @@ def test_rl_experiment_variants_convert_with_their_environment(variant):
     assert exp.mesh.expert == 8 and exp.mesh.context == 8 and exp.rl.draft_depth >= 1
 
 
+def test_engine_dtype_reaches_the_engines_not_the_learner():
+  from c2.rl import learner  # pylint: disable=import-outside-toplevel
+  c = load_experiment("experiments/rl.py:tiny")
+  c.rl.engine_dtype = ""
+  exp = config_lib.from_config_dict(c)
+  assert learner.worker_spec(exp, "/tmp/unused", "tok.json").model.dtype == exp.model.dtype
+  c.rl.engine_dtype = "float32"
+  exp = config_lib.from_config_dict(c)
+  assert exp.model.dtype == "bfloat16"  # the learner's compute dtype is untouched
+  assert learner.worker_spec(exp, "/tmp/unused", "tok.json").model.dtype == "float32"
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("rl.backend", "mpi", "choose threads or ray"),
     ("rl.kl_placement", "both", "choose reward, loss or none"),
     ("rl.drop_uniform_groups", "true", "choose off, reward or outcome"),
     ("rl.group_size", 1, "group_size must be >= 2"),
     ("rl.decode_steps", 0, "must be >= 1"),
+    ("rl.engine_dtype", "float16", "choose bfloat16, float32"),
     ("rl.max_context", 4096, "exceeds data.seq_len"),
     ("rl.task_levels", "1,x", "comma-separated integers"),
     ("rl.tasks", "s3://tasks", "jsonl:"),

@@ -112,7 +112,7 @@ def worker_spec(exp: ExperimentConfig, workdir: str, tokenizer_path: str) -> Wor
       env_config_lib.to_env_config(env_config_lib.env_section()))
   sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_p=rl.top_p)
-  model = exp.model
+  model = exp.model.replace(dtype=rl.engine_dtype) if rl.engine_dtype else exp.model
   return WorkerSpec(model=model, store_dir=os.path.join(workdir, "weights"),
                     tokenizer_path=tokenizer_path, env=env, sampling=sampling,
                     max_context=rl.max_context or exp.data.seq_len,

@@ -112,7 +112,10 @@ class EngineHost:
     elapsed = max(time.perf_counter() - self.started, 1e-9)
     out = {"engine/tokens_per_sec": s["tokens"] / elapsed, "engine/version": self.version,
            # prompt tokens whose cache entries a previous turn left (not prefilled again)
-           "engine/prefix_reuse": s["prefix_reused_tokens"] / max(s["prompt_tokens"], 1)}
+           "engine/prefix_reuse": s["prefix_reused_tokens"] / max(s["prompt_tokens"], 1),
+           # slots decoding per decode step, over the slots: how full the engine's batch is
+           "engine/decode_occupancy": s["decode_rows"] / max(s["decode_steps"] *
+                                                             self.spec.engine_slots, 1)}
     for depth in range(1, self.spec.draft_depth + 1):  # per-depth acceptance of the MTP drafts
       out[f"engine/mtp_acceptance_{depth}"] = (s[f"accepted_depth_{depth}"] /
                                                max(s["decode_rows"], 1))

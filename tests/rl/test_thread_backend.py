@@ -130,6 +130,9 @@ def test_rollouts_come_back_consistent_and_a_seed_repeats_them(backend, rl_world
   other = rollout_of(backend, tasks[0], seed=12345)
   prompt = len(generation_prompt(backend, tasks[0]))
   assert other.segments[0].tokens[prompt:] != rollouts[0].segments[0].tokens[prompt:]
+  # At most two rollouts at once so far, at least one whenever the engine decoded.
+  slots = backend.spec.engine_slots
+  assert 1 / slots <= backend.stats()["engine/decode_occupancy"] <= 2 / slots
 
 
 def test_load_version_swaps_the_weights_the_engine_samples_with(backend, rl_world):
