@@ -10,7 +10,7 @@ function (they differ only in cost and float rounding):
              recomputing custom VJP; O(T x block) memory on any backend (the long-row CPU path).
   splash     `c2.ops.splash_attention`: jax's Pallas TPU splash kernel, per device in shard_map.
   auto       splash when the target is a TPU (the mesh's devices, so AOT compiles from a CPU host
-             pick it too), else reference up to DENSE_MAX_LEN tokens and blockwise beyond.
+             pick it too), else reference up to DENSE_MAX_LEN[platform] tokens and blockwise beyond.
 
 Packed rows hold several documents; `segment_ids` (0 = padding) keep attention inside a document
 and causality is by index within the row (documents are contiguous, so that equals causality by
@@ -31,7 +31,17 @@ from c2.ops.blockwise_attention import blockwise_attention
 from c2.ops.splash_attention import splash_attention
 
 IMPLS = ("auto", "reference", "blockwise", "splash")
-DENSE_MAX_LEN = 2048  # "auto" off TPU: dense [B, H, T, T] scores up to here, blockwise beyond
+# "auto" off TPU: dense [B, H, T, T] scores up to this many tokens, blockwise beyond. On CPU the
+# blockwise path (skips masked blocks, never writes [T, T]) is faster from 512 tokens: the tiny
+# model's forward + backward over 24,576 tokens per batch, blockwise vs dense, took 0.99x /
+# 0.97x / 0.90x / 0.83x / 0.74x the time at 128 / 256 / 512 / 1,024 / 1,536 tokens per row in
+# bfloat16 (0.83x / 0.77x at 512 / 1,536 in float32; measured 2026-12-05). Other backends (GPU)
+# are unmeasured and keep dense scores up to 2,048.
+DENSE_MAX_LEN = {"cpu": 256, "other": 2048}
+
+
+def dense_max_len(platform: str) -> int:
+  return DENSE_MAX_LEN.get(platform, DENSE_MAX_LEN["other"])
 
 # Large finite negative: exp() underflows to 0 without producing inf - inf = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -72,9 +82,10 @@ def resolve_impl(impl: str, seq_len: int) -> str:
     raise ValueError(f"attention impl {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  if target_platform() == "tpu":
+  platform = target_platform()
+  if platform == "tpu":
     return "splash"
-  return "reference" if seq_len <= DENSE_MAX_LEN else "blockwise"
+  return "reference" if seq_len <= dense_max_len(platform) else "blockwise"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, segment_ids: jax.Array,

@@ -89,8 +89,9 @@ def test_blockwise_bf16_and_non_causal():
 
 
 def test_auto_and_validation():
-  assert attn.resolve_impl("auto", attn.DENSE_MAX_LEN) == "reference"  # CPU, short rows
-  assert attn.resolve_impl("auto", attn.DENSE_MAX_LEN + 1) == "blockwise"
+  assert attn.resolve_impl("auto", attn.dense_max_len("cpu")) == "reference"  # CPU, short rows
+  assert attn.resolve_impl("auto", attn.dense_max_len("cpu") + 1) == "blockwise"
+  assert attn.dense_max_len("cpu") == 256 and attn.dense_max_len("gpu") == 2048
   assert attn.resolve_impl("splash", 8) == "splash"
   with pytest.raises(ValueError, match="flash"):
     attn.resolve_impl("flash", 8)
