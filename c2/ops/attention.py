@@ -33,8 +33,8 @@ from c2.ops.splash_attention import splash_attention
 IMPLS = ("auto", "reference", "blockwise", "splash")
 # "auto" off TPU: dense [B, H, T, T] scores up to this many tokens, blockwise beyond. On CPU the
 # blockwise path (skips masked blocks, never writes [T, T]) is faster from 512 tokens: the tiny
-# model's forward + backward over 24,576 tokens per batch, blockwise vs dense, took 0.99x /
-# 0.97x / 0.90x / 0.83x / 0.74x the time at 128 / 256 / 512 / 1,024 / 1,536 tokens per row in
+# model's forward + backward over 24,576 tokens per batch, blockwise vs dense, took 1.01x /
+# 0.97x / 0.90x / 0.82x / 0.74x the time at 128 / 256 / 512 / 1,024 / 1,536 tokens per row in
 # bfloat16 (0.83x / 0.77x at 512 / 1,536 in float32; measured 2026-12-05). Other backends (GPU)
 # are unmeasured and keep dense scores up to 2,048.
 DENSE_MAX_LEN = {"cpu": 256, "other": 2048}
