@@ -36,6 +36,7 @@ from c2.model.config import ModelConfig
 from c2.perf import flops
 from c2.rl import metrics as rl_metrics
 from c2.rl.rollout import Rollout, RolloutSpec, run_rollout
+from c2.rl.workers import WorkerSpec
 
 _STATS = ("sampled_tokens", "tool_calls", "turns", "context_tokens", "malformed_tool_calls",
           "seconds")
@@ -72,12 +73,12 @@ def run_rollouts(cfg: ModelConfig, params, tokenizer: Tokenizer, tasks: Sequence
                  samples: int, env_config: EnvConfig, sampling: SamplingParams, max_context: int,
                  slots: int = 8, workers: int = 8) -> list[tuple[Task, Optional[Rollout]]]:
   """`samples` rollouts of every task; a rollout that raises is (task, None)."""
-  # As the RL engines run (c2/rl/workers.py): each turn prefills only what the slot of the
-  # rollout's previous turn lacks, in chunks of 256. Measured, 16 tasks x 2 rollouts of
-  # runs/rl-drop (bf16): 97.5 -> 41.5 s, the decode batch 2.8 -> 6.2 of 8 rows busy (turns no
-  # longer queue behind whole-context prefills).
-  engine = Engine(cfg, params, slots=slots, capacity=max_context, prefix_cache=True,
-                  prefill_chunk=256)
+  # As the RL engines run (c2/rl/workers.py, WorkerSpec's defaults): each turn prefills only
+  # what the slot of the rollout's previous turn lacks, in chunks of 256. Measured, 16 tasks x 2
+  # rollouts of runs/rl-drop (bf16): 97.5 -> 41.5 s, the decode batch 2.8 -> 6.2 of 8 rows busy
+  # (turns no longer queue behind whole-context prefills).
+  engine = Engine(cfg, params, slots=slots, capacity=max_context,
+                  prefix_cache=WorkerSpec.prefix_cache, prefill_chunk=WorkerSpec.prefill_chunk)
   worker = EngineWorker(engine)
   generate = _blocking_generate(worker)
   count_tokens = lambda text: len(tokenizer.encode(text))

@@ -80,10 +80,9 @@ def test_faults_and_resume_lose_no_group_and_train_none_twice(small_model, token
   tags = set(tb.Tags()["scalars"])
   for tag in ("reward/mean", "rollout/pass_rate", "rl/staleness_max", "train/rl/mismatch_p99",
               "train/rl/replay_override_rate", "engine/tokens_per_sec", "engine/decode_occupancy",
-              "perf/wait_fraction",
-              "perf/learner_step_sec", "eval/pass_rate", "eval/pass_at_1", "rollout/turns_mean",
-              "rollout/tool_calls_mean", "rollout/summaries_mean", "train/rl/kl",
-              "eval/pass_rate_change", "eval/pass_rate_change_ci_low"):
+              "perf/wait_fraction", "perf/learner_step_sec", "eval/pass_rate", "eval/pass_at_1",
+              "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/summaries_mean",
+              "train/rl/kl", "eval/pass_rate_change", "eval/pass_rate_change_ci_low"):
     assert tag in tags, tag
   assert [e.step for e in tb.Scalars("reward/mean")] == [1, 2, 3, 4]
 
