@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 from c2.model.config import ModelConfig, YarnScaling, get_preset
 from c2.parallel import mesh as meshlib
+from c2.rl.curriculum import parse_weights as parse_curriculum_weights
 from c2.steps import STEPS
 
 PHASES = ("pretrain", "sft", "long_context", "rl")
@@ -160,8 +161,14 @@ class RLConfig:
   # rollouts all passed or all failed (DAPO's dynamic sampling: penalties alone then separate
   # them); "off" trains every group. Uses more tasks: all rl.train_tasks are loaded.
   drop_uniform_groups: str = "off"
-  curriculum_start_group: Optional[int] = None  # upsample hard task kinds after N groups
-  curriculum_window: int = 64
+  # Draw tasks by their kind's signals after N finished groups (c2/rl/curriculum.py); None: in
+  # order. Weights "SIGNAL=W,..." over turns, thinking_tokens, failure (harder kinds, the
+  # report's late-training mix) and informative (kinds whose groups' rewards differ).
+  curriculum_start_group: Optional[int] = None
+  curriculum_weights: str = "turns=1,thinking_tokens=1"
+  curriculum_window: int = 64  # unused tasks considered per draw
+  curriculum_temperature: float = 1.0
+  curriculum_floor: float = 1e-6  # least score a kind is drawn with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +421,14 @@ def _validate_rl(exp: ExperimentConfig) -> None:
   if rl.engine_dtype not in ("", "bfloat16", "float32"):
     raise ConfigError(f"config.rl.engine_dtype={rl.engine_dtype!r}; choose bfloat16, float32 or "
                       "'' (the model's compute dtype)")
+  try:
+    parse_curriculum_weights(rl.curriculum_weights)
+  except ValueError as error:
+    raise ConfigError(f"config.rl.curriculum_weights: {error}") from None
+  if rl.curriculum_window < 1 or not rl.curriculum_temperature > 0 or not rl.curriculum_floor > 0:
+    raise ConfigError(f"config.rl.curriculum_window={rl.curriculum_window} must be >= 1, "
+                      f"curriculum_temperature={rl.curriculum_temperature} and curriculum_floor="
+                      f"{rl.curriculum_floor} > 0")
   if rl.group_size < 2:
     raise ConfigError("config.rl.group_size must be >= 2: advantages are relative to the group")
   if rl.max_staleness < 0 or rl.groups_per_step < 1 or rl.env_workers < 1:

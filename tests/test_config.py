@@ -120,6 +120,9 @@ def test_engine_dtype_reaches_the_engines_not_the_learner():
     ("rl.max_context", 4096, "exceeds data.seq_len"),
     ("rl.task_levels", "1,x", "comma-separated integers"),
     ("rl.tasks", "s3://tasks", "jsonl:"),
+    ("rl.curriculum_weights", "informative=1,reward=2", "unknown signals ['reward']"),
+    ("rl.curriculum_weights", "turns:1", "is not SIGNAL=WEIGHT"),
+    ("rl.curriculum_floor", 0.0, "curriculum_floor=0.0 > 0"),
 ])
 def test_bad_rl_settings_name_the_key(key, value, message):
   c = load_experiment("experiments/rl.py:tiny")

@@ -1,19 +1,28 @@
-"""Which unused task the coordinator starts next: in order, or upsampled by difficulty signals.
+"""Which unused task the coordinator starts next: in order, or upsampled by signals of its kind.
 
 Late in Composer 2's run the data mix was shifted toward harder tasks, with difficulty read from
 the policy's own behaviour on them: more turns and more thinking tokens (composer2_report.md 4).
 Every task is still used once (each prompt once, as the step requires), so the curriculum cannot
 repeat a hard task; it instead learns which *kinds* of task are hard from finished groups and
-draws the next task from a window of unused ones with weights by its kind's difficulty.
+draws the next task from a window of unused ones with weights by its kind's score.
 
     curriculum = Curriculum(start_group=200, window=64, weights={"turns": 1.0,
                             "thinking_tokens": 0.5, "failure": 1.0})
     task_id = curriculum.choose(unused_ids, unused_tasks, rng_seed)   # coordinator
     curriculum.record(task, rollouts)                                  # after each group
 
-A task's kind is its `kind:` tag and level (c2/envs/task_generator.py sets both); difficulty of a
+Signals, per finished group: `turns` and `thinking_tokens` (means over its rollouts), `failure`
+(the fraction that failed) and `informative` (1 when its rewards differ, so its advantages are
+not all zero, else 0). Weighting `informative` upsamples the kinds whose groups teach something:
+with few passes, most groups of a hard kind fail alike and are dropped
+(`rl.drop_uniform_groups`) after costing their rollouts, so drawing the kinds that split is what
+makes each trained group cheaper (learnability sampling; measured in the README, "Agentic RL").
+
+A task's kind is its `kind:` tag and level (c2/envs/task_generator.py sets both); the score of a
 kind is the weighted sum of its groups' mean signals, each divided by its mean over all kinds, so
-the weights are unit-free. Before `start_group` groups have finished, tasks go in order.
+the weights are unit-free. Before `start_group` groups have finished, tasks go in order. The
+window must be wide against the run's groups: choosing one kind drains it from the window, which
+refills in task order, so a narrow window drifts back to the task order's mix.
 """
 from __future__ import annotations
 
@@ -25,7 +34,27 @@ import numpy as np
 
 from c2.envs.tasks import Task
 
-SIGNALS = ("turns", "thinking_tokens", "failure")
+SIGNALS = ("turns", "thinking_tokens", "failure", "informative")
+
+
+def parse_weights(text: str) -> dict[str, float]:
+  """'turns=1,informative=2' -> {'turns': 1.0, 'informative': 2.0} (rl.curriculum_weights)."""
+  weights = {}
+  for item in filter(None, (part.strip() for part in text.split(","))):
+    name, _, value = item.partition("=")
+    try:
+      weight = float(value)
+    except ValueError:
+      weight = -1.0
+    if not (np.isfinite(weight) and weight >= 0):
+      raise ValueError(f"curriculum weights {text!r}: {item!r} is not SIGNAL=WEIGHT with a weight "
+                       f">= 0; signals: {', '.join(SIGNALS)}")
+    weights[name.strip()] = weight
+  unknown = set(weights) - set(SIGNALS)
+  if unknown:
+    raise ValueError(f"curriculum weights {text!r}: unknown signals {sorted(unknown)}; known "
+                     f"{SIGNALS}")
+  return weights
 
 
 def task_kind(task: Task) -> str:
@@ -39,12 +68,17 @@ class Curriculum:
   window: int = 64  # unused tasks considered per choice
   weights: Mapping[str, float] = dataclasses.field(
       default_factory=lambda: {"turns": 1.0, "thinking_tokens": 1.0, "failure": 0.0})
-  temperature: float = 1.0  # sharpness of the upsampling: weight = difficulty ** (1 / T)
+  temperature: float = 1.0  # sharpness of the upsampling: weight = max(score, floor) ** (1 / T)
+  # The least score a kind is drawn with: with `informative` weighted, a kind that has not split
+  # a group yet scores 0 and, without a floor, would never be drawn again to show it improved.
+  floor: float = 1e-6
 
   def __post_init__(self):
     unknown = set(self.weights) - set(SIGNALS)
     if unknown:
       raise ValueError(f"curriculum weights: unknown signals {sorted(unknown)}; known {SIGNALS}")
+    if not self.floor > 0:
+      raise ValueError(f"curriculum floor must be > 0, got {self.floor}")
     self._sums: dict = collections.defaultdict(lambda: np.zeros(len(SIGNALS) + 1))
     self.groups_recorded = 0
 
@@ -53,12 +87,13 @@ class Curriculum:
     signals = np.array([
         np.mean([r.stats.get("turns", 0) for r in rollouts]),
         np.mean([r.stats.get("thinking_tokens", 0) for r in rollouts]),
-        np.mean([0.0 if r.passed else 1.0 for r in rollouts]), 1.0])
+        np.mean([0.0 if r.passed else 1.0 for r in rollouts]),
+        float(np.ptp([r.reward for r in rollouts]) > 0), 1.0])
     self._sums[task_kind(task)] += signals
     self.groups_recorded += 1
 
   def difficulty(self) -> dict[str, float]:
-    """Kind -> unit-free difficulty (1.0 = average), from the groups recorded so far."""
+    """Kind -> unit-free score (1.0 = average), from the groups recorded so far."""
     if not self._sums:
       return {}
     means = {kind: s[:-1] / s[-1] for kind, s in self._sums.items()}
@@ -74,9 +109,9 @@ class Curriculum:
       return unused_ids[0]
     difficulty = self.difficulty()
     candidates = list(range(min(self.window, len(unused_ids))))
-    # Kinds never seen get the average difficulty (1.0), so new kinds are not starved.
+    # Kinds never seen get the average score (1.0), so new kinds are not starved.
     scores = np.array([difficulty.get(task_kind(unused_tasks[i]), 1.0) for i in candidates])
-    weights = np.maximum(scores, 1e-6) ** (1.0 / self.temperature)
+    weights = np.maximum(scores, self.floor) ** (1.0 / self.temperature)
     rng = np.random.default_rng(rng_seed)
     return unused_ids[int(rng.choice(candidates, p=weights / weights.sum()))]
 
@@ -87,4 +122,8 @@ class Curriculum:
   def load_state_dict(self, state: dict) -> None:
     self.groups_recorded = state.get("groups_recorded", 0)
     for kind, values in state.get("sums", {}).items():
-      self._sums[kind] = np.array(values)
+      values = np.array(values, np.float64)
+      # A state saved before a signal was added lacks its column (before the count): zeros,
+      # so that signal's means count only the groups recorded since.
+      missing = len(SIGNALS) + 1 - len(values)
+      self._sums[kind] = np.insert(values, len(values) - 1, np.zeros(missing))

@@ -40,7 +40,7 @@ from c2.rl import metrics as rl_metrics
 from c2.rl import publication
 from c2.rl.backends import Backend, make_backend
 from c2.rl.coordinator import Coordinator
-from c2.rl.curriculum import Curriculum
+from c2.rl.curriculum import Curriculum, parse_weights as parse_curriculum_weights
 from c2.rl.packing import pack_rl_batch
 from c2.rl.rollout import RolloutSpec
 from c2.rl.workers import WorkerSpec
@@ -168,7 +168,9 @@ def prepare(exp: ExperimentConfig, workdir: str) -> Learner:
   needed = rl.train_tasks if rl.drop_uniform_groups != "off" else min(
       rl.train_tasks, exp.train.steps * rl.groups_per_step * 2 + 8)
   train_tasks = load_tasks(exp, "train", needed)
-  curriculum = Curriculum(start_group=rl.curriculum_start_group, window=rl.curriculum_window)
+  curriculum = Curriculum(start_group=rl.curriculum_start_group, window=rl.curriculum_window,
+                          weights=parse_curriculum_weights(rl.curriculum_weights),
+                          temperature=rl.curriculum_temperature, floor=rl.curriculum_floor)
   coordinator = Coordinator(
       backend, train_tasks, group_size=rl.group_size, groups_per_step=rl.groups_per_step,
       max_staleness=rl.max_staleness, state_dir=os.path.join(workdir, "rl"),

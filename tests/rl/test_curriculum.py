@@ -1,6 +1,6 @@
 """The curriculum: tasks in order until `start_group` groups have finished, then drawn from a window
-with weights by their kind's difficulty (turns, thinking tokens, failures, each relative to the
-mean over kinds). Values are computed by hand from the recorded signals."""
+with weights by their kind's score (turns, thinking tokens, failures, informative groups, each
+relative to the mean over kinds). Values are computed by hand from the recorded signals."""
 import json
 import types
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from c2.envs.tasks import Task
-from c2.rl.curriculum import SIGNALS, Curriculum, task_kind
+from c2.rl.curriculum import SIGNALS, Curriculum, parse_weights, task_kind
 
 DRAWS = 2000  # choices per frequency check: the binomial standard error is ~0.01
 
@@ -19,10 +19,11 @@ def make_tasks(kinds, n):
                level=1) for i in range(n)]
 
 
-def group(turns, thinking, passed=(True, False)):
-  """Rollouts as the curriculum reads them: stats and passed only."""
-  return [types.SimpleNamespace(stats={"turns": turns, "thinking_tokens": thinking}, passed=p)
-          for p in passed]
+def group(turns, thinking, passed=(True, False), rewards=None):
+  """Rollouts as the curriculum reads them: stats, passed and reward (default: 1 if passed)."""
+  rewards = [float(p) for p in passed] if rewards is None else rewards
+  return [types.SimpleNamespace(stats={"turns": turns, "thinking_tokens": thinking}, passed=p,
+                                reward=r) for p, r in zip(passed, rewards)]
 
 
 def hard_and_easy(curriculum, groups=3):
@@ -120,3 +121,43 @@ def test_state_dict_round_trip():
   ids = [t.task_id for t in tasks]
   assert ([restored.choose(ids, tasks, rng_seed=s) for s in range(100)] ==
           [curriculum.choose(ids, tasks, rng_seed=s) for s in range(100)])
+
+
+def test_informative_kinds_are_drawn_more_often():
+  """`informative` is 1 for a group whose rewards differ (not whose outcomes differ): kind a splits
+  one group of two, by a penalty between two failures; kind b's groups fail alike."""
+  curriculum = Curriculum(start_group=0, window=64, weights={"informative": 1.0}, floor=0.1)
+  a, b = make_tasks(("a", "b"), 2)
+  curriculum.record(a, group(3, 0, passed=(False, False), rewards=[0.0, -0.2]))
+  curriculum.record(a, group(3, 0, passed=(False, False), rewards=[0.0, 0.0]))
+  for _ in range(2):
+    curriculum.record(b, group(3, 0, passed=(False, False), rewards=[0.0, 0.0]))
+  # Means 0.5 and 0 over their mean 0.25: scores 2 and 0; b is drawn at the floor, 0.1.
+  assert curriculum.difficulty() == pytest.approx({"a/l1": 2.0, "b/l1": 0.0})
+  tasks = make_tasks(("a", "b"), 40)
+  assert share_of(curriculum, tasks, "a/l1") == pytest.approx(2.0 / 2.1, abs=0.02)
+  lower_floor = Curriculum(start_group=0, window=64, weights={"informative": 1.0}, floor=1.0)
+  lower_floor.load_state_dict(curriculum.state_dict())
+  assert share_of(lower_floor, tasks, "a/l1") == pytest.approx(2.0 / 3.0, abs=0.04)
+
+
+def test_parse_weights():
+  assert parse_weights("turns=1, informative=2.5,") == {"turns": 1.0, "informative": 2.5}
+  assert parse_weights("") == {}
+  for bad, message in [("turns", "is not SIGNAL=WEIGHT"), ("turns=-1", "weight >= 0"),
+                       ("turns=nan", "is not SIGNAL=WEIGHT"), ("pass=1", "unknown signals")]:
+    with pytest.raises(ValueError, match=message):
+      parse_weights(bad)
+  with pytest.raises(ValueError, match="floor must be > 0"):
+    Curriculum(floor=0.0)
+
+
+def test_state_saved_before_the_informative_signal_loads():
+  """A coordinator state from before `informative` existed has 3 signal columns and the count:
+  the missing column loads as zeros and counts the groups recorded since."""
+  old = {"groups_recorded": 2, "sums": {"a/l1": [6.0, 100.0, 1.0, 2.0]}}
+  curriculum = Curriculum(start_group=0, weights={"turns": 1.0, "informative": 1.0})
+  curriculum.load_state_dict(old)
+  a = make_tasks(("a",), 1)[0]
+  curriculum.record(a, group(4, 50, passed=(True, False)))
+  assert curriculum.state_dict()["sums"]["a/l1"] == [10.0, 150.0, 1.5, 1.0, 3.0]
