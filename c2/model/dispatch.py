@@ -34,8 +34,10 @@ GroupedMatmul = Callable[..., jax.Array]
 
 # Names a remat policy can save (c2/model/block.py): the dispatched rows (saving them spares the
 # backward pass a second all-to-all) and the expert matmul outputs (the silu and combine-weight
-# backward need them; a Pallas kernel is no dot to jax's dots policies).
-DISPATCHED_ROWS, EXPERT_MATMUL = "moe_dispatched_rows", "moe_expert_matmul"
+# backward need them; a Pallas kernel is no dot to jax's dots policies): the gate and up
+# projections' [M, F] apart from the down projection's [M, D], to save one without the other.
+DISPATCHED_ROWS = "moe_dispatched_rows"
+EXPERT_GATE_UP, EXPERT_DOWN = "moe_expert_gate_up", "moe_expert_down"
 
 
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -43,10 +45,10 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: j
                expected_rows: Optional[int] = None) -> jax.Array:
   """SwiGLU experts over rows grouped by expert. xs [M, D], w_gate/w_up [E, D, F], w_down [E, F, D]."""
   xs = checkpoint_name(xs, DISPATCHED_ROWS)
-  matmul = lambda lhs, rhs: checkpoint_name(
-      gmm(lhs, rhs, group_sizes, expected_rows=expected_rows), EXPERT_MATMUL)
-  h = jax.nn.silu(matmul(xs, w_gate)) * matmul(xs, w_up)  # [M, F]
-  return matmul(h, w_down)  # [M, D]
+  matmul = lambda lhs, rhs, name: checkpoint_name(
+      gmm(lhs, rhs, group_sizes, expected_rows=expected_rows), name)
+  h = jax.nn.silu(matmul(xs, w_gate, EXPERT_GATE_UP)) * matmul(xs, w_up, EXPERT_GATE_UP)  # [M, F]
+  return matmul(h, w_down, EXPERT_DOWN)  # [M, D]
 
 
 def _combine(y_choices: jax.Array, weights: jax.Array) -> jax.Array:
