@@ -13,10 +13,11 @@ draws the next task from a window of unused ones with weights by its kind's scor
 
 Signals, per finished group: `turns` and `thinking_tokens` (means over its rollouts), `failure`
 (the fraction that failed) and `informative` (1 when its rewards differ, so its advantages are
-not all zero, else 0). Weighting `informative` upsamples the kinds whose groups teach something:
-with few passes, most groups of a hard kind fail alike and are dropped
-(`rl.drop_uniform_groups`) after costing their rollouts, so drawing the kinds that split is what
-makes each trained group cheaper (learnability sampling; measured in the README, "Agentic RL").
+not all zero, else 0). Weighting `informative` upsamples the kinds whose groups teach something
+(learnability sampling): where a hard kind's groups mostly fail alike, they are dropped
+(`rl.drop_uniform_groups`) after costing their rollouts, and drawing the kinds that split makes
+each trained group cheaper. On the tiny level-1 tasks the two kinds split about equally often,
+so it saved nothing there (README, "Agentic RL").
 
 A task's kind is its `kind:` tag and level (c2/envs/task_generator.py sets both); the score of a
 kind is the weighted sum of its groups' mean signals, each divided by its mean over all kinds, so
