@@ -28,9 +28,10 @@ from pallas_kernels import reference, tuning
 M, K, N, G = 300, 200, 150, 5  # 3 x 2 x 2 tiles of 128 (nvfp4 packed: one K tile of 256)
 RTOL = 1e-5
 # Small tiles so the test shapes span several m/k/n tiles; same code path as the "cpu" target.
+# Group boundaries fall inside row tiles, whose 4 slabs of 32 rows are then computed one by one.
 SMALL = dataclasses.replace(tuning.GENERATIONS["cpu"], name="cpu-small",
                             gmm_tiles=((float("inf"), (128, 128, 128)),),
-                            tgmm_tiles=((float("inf"), (128, 128, 128)),))
+                            tgmm_tiles=((float("inf"), (128, 128, 128)),), mxu_rows=32)
 # Forward/backward format pairs: every format appears once forward and once backward.
 COMBOS = [("bf16", "bf16"), ("fp8", "fp8"), ("mxfp8", "nvfp4"), ("nvfp4", "mxfp8")]
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import metadata, quant, tuning
+from pallas_kernels import gmm_kernel, metadata, quant, tuning
 
 TM = 8
 
@@ -58,6 +58,33 @@ def test_work_list_invariants(problem, for_tgmm):
   else:  # every m tile visited, so rows in no group are written (as zeros)
     np.testing.assert_array_equal(np.unique(m_tiles), np.arange(tiles))
     assert set(groups[ends > starts]) == set(np.flatnonzero(nonempty))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(), for_tgmm=st.booleans(), slab=st.sampled_from([1, 2, 4, TM]))
+def test_boundary_slabs_cover_each_row_once_within_the_cost_estimate(problem, for_tgmm, slab):
+  """The rows the kernels multiply (gmm_kernel: a whole tile, or its live slabs at a group
+  boundary) hold every grouped row, and number no more than the cost estimate declares."""
+  sizes, rows, tiles = problem
+  meta, n = _make(sizes, num_rows=rows, tm=TM, num_m_tiles=tiles, for_tgmm=for_tgmm)
+  multiplied = 0
+  covered = np.zeros(tiles * TM, np.int32)
+  for t, s, e in zip(*(np.asarray(a)[:int(n)] for a in meta[1:])):
+    if e <= s:
+      continue
+    if gmm_kernel.covers_tile(s, e, t * TM, TM):
+      live = [t * TM]
+      slab_rows = TM
+    else:
+      live = [lo for lo in range(t * TM, (t + 1) * TM, slab)
+              if gmm_kernel.slab_is_live(s, e, lo, slab)]
+      slab_rows = slab
+    multiplied += len(live) * slab_rows
+    for lo in live:
+      covered[max(lo, s):min(lo + slab_rows, e)] += 1
+  total = min(int(sizes.sum()), rows)
+  np.testing.assert_array_equal(covered[:total], 1)
+  assert multiplied <= gmm_kernel.mxu_rows(total, tiles * TM, slab, len(sizes))
 
 
 @pytest.mark.parametrize("gen", sorted(tuning.GENERATIONS))

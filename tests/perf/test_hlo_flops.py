@@ -106,10 +106,11 @@ def test_pallas_kernels_count_their_cost_estimate(tpu_sharding):
     compiled = _compile(fn, ((M, K), jnp.bfloat16), ((G, K, N), jnp.bfloat16),
                         ((G,), jnp.int32), sharding=tpu_sharding)
   count = hlo_flops.count_flops(compiled.as_text())
-  tm = pallas_kernels.tuning.select_tiles("gmm", pallas_kernels.tuning.get_generation("v5p"),
-                                          M, K, N, G, "bf16", 2)[0]
-  # every row, plus one tile revisit per group boundary (the kernel computes a shared tile twice)
-  assert count.by_kind == {"kernel gmm_bf16": 2 * (M + (G - 1) * tm) * K * N}
+  v5p = pallas_kernels.tuning.get_generation("v5p")
+  assert pallas_kernels.tuning.select_tiles("gmm", v5p, M, K, N, G, "bf16", 2)[0] > v5p.mxu_rows
+  # every row, plus one MXU slab per group boundary (a slab shared by two groups is computed
+  # for each; the rest of a shared row tile is skipped)
+  assert count.by_kind == {"kernel gmm_bf16": 2 * (M + (G - 1) * v5p.mxu_rows) * K * N}
 
 
 def test_unknown_trip_count_is_reported(tpu_sharding):
@@ -175,9 +176,9 @@ def test_splash_kernel_rule_counts_each_matmul():
                                               [q, v]) == dkv
 
 
-def test_gmm_cost_rows_count_expected_rows_and_boundary_tiles():
+def test_gmm_cost_rows_count_expected_rows_and_boundary_slabs():
   from pallas_kernels.gmm_kernel import mxu_rows  # pylint: disable=import-outside-toplevel
-  assert mxu_rows(None, 4096, 512, 1) == 4096
-  assert mxu_rows(None, 4096, 512, 16) == 4096 + 15 * 512  # the grid's bound
-  assert mxu_rows(2000, 4096, 512, 16) == 2048 + 15 * 512  # a capacity buffer, partly filled
-  assert mxu_rows(9999, 4096, 512, 4) == 4096 + 3 * 512
+  assert mxu_rows(None, 4096, 128, 1) == 4096
+  assert mxu_rows(None, 4096, 128, 16) == 4096 + 15 * 128  # one slab per group boundary
+  assert mxu_rows(2000, 4096, 128, 16) == 2048 + 15 * 128  # a capacity buffer, partly filled
+  assert mxu_rows(9999, 4096, 256, 4) == 4096 + 3 * 256
