@@ -39,7 +39,9 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   tokens): 4 chunk steps instead of 4,096, each of which gathered the 2.2 GiB output head and
   reduced its gradient. Measured: collective bytes per device per step 1,236 GiB instead of
   28,090 GiB, HBM (55.9 GiB) and FLOP ratio unchanged. Splash's fused backward (one kernel for
-  dq and dkv, c2.ops.splash_attention.block_sizes): 60.7 GiB, FLOP ratio 1.456 (2026-12-04)."""
+  dq and dkv, c2.ops.splash_attention.block_sizes): 60.7 GiB, FLOP ratio 1.456 (2026-12-04);
+  the grouped matmuls computing group-boundary tiles by 128-row slabs (pallas_kernels/
+  gmm_kernel.py): 60.7 GiB, 1.385 (2026-12-06)."""
   c.model.preset = "kimi-k2.5"
   c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention", splash_fused_backward=True)
   c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=1024)
@@ -52,11 +54,15 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The proxy at 262144 tokens (phase 2), 8 rows per step on the 64 chips of `proxy`: each row
   split over 8 context shards, so a device holds 32k tokens as in phase 1. Measured (AOT,
-  2026-12-04, Ulysses path; a slow test in tests/perf/test_aot.py): 60.1 of 95 GiB per device,
-  FLOP ratio 1.788 (splash 91% of the FLOPs), 613 GiB of collectives per device per step,
-  compile 428 s at 17.3 GB of host memory."""
+  Ulysses path; a slow test in tests/perf/test_aot.py): with splash's separate backward
+  kernels (2026-12-04) 60.1 of 95 GiB per device, FLOP ratio 1.788 (splash 91% of the FLOPs),
+  613 GiB of collectives per device per step, compile 428 s at 17.3 GB of host memory; fused in
+  16 query chunks, with boundary slabs in the grouped matmuls (2026-12-06) 64.6 GiB (68%),
+  FLOP ratio 1.435 (splash 90%), 615 GiB."""
   proxy(c)
-  c.model.splash_fused_backward = False  # dq per kv block grows as T^2 (block_sizes)
+  # The fused backward's dq per kv block grows as T^2 (block_sizes): in 16 query chunks each
+  # call holds 1/16 of it.
+  c.model.update(splash_fused_backward=True, splash_query_chunks=16)
   c.data.update(seq_len=262144, global_batch_size=8)
   c.mesh.update(fsdp=-1, expert=8, context=8)
   return c
@@ -65,12 +71,16 @@ def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def full_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The full model at 262144 tokens (phase 2): phase 1's tokens per step (128 x 256k = 1024 x
   32k) on the same 4096 chips, each row over 32 context shards (fsdp 8 x expert 16 x context
-  32), so a device holds 8k tokens as in `full`. Measured (AOT, 2026-12-04, Ulysses path):
-  59.3 of 95 GiB per device, FLOP ratio 1.801 (splash 87% of the FLOPs), 1,242 GiB of
-  collectives per device per step, compile 472 s at 17.1 GB of host memory; the latent
-  all-gather path does not fit (357 GiB of temporaries). Tune here."""
+  32), so a device holds 8k tokens as in `full`. Measured (AOT, Ulysses path): with splash's
+  separate backward kernels (2026-12-04) 59.3 of 95 GiB per device, FLOP ratio 1.801 (splash
+  87% of the FLOPs), 1,242 GiB of collectives per device per step, compile 472 s at 17.1 GB of
+  host memory; fused in 16 query chunks and with boundary slabs in the grouped matmuls
+  (2026-12-06) 71.7 GiB (75%), FLOP ratio 1.447 (splash 85%), 1,245 GiB, compile 556 s. The
+  latent all-gather path does not fit (357 GiB of temporaries). Tune here."""
   full(c)
-  c.model.splash_fused_backward = False  # dq per kv block grows as T^2 (block_sizes)
+  # The fused backward's dq per kv block grows as T^2 (block_sizes): in 16 query chunks each
+  # call holds 1/16 of it (about 4 GiB per device instead of 64).
+  c.model.update(splash_fused_backward=True, splash_query_chunks=16)
   c.data.update(seq_len=262144, global_batch_size=128)
   c.mesh.update(fsdp=-1, expert=16, tensor=1, context=32)
   return c

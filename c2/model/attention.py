@@ -52,6 +52,7 @@ class MLAttention(nn.Module):
   latent_norm_eps: float = 1e-6
   attention_impl: str = "auto"  # see c2.ops.attention.attention
   splash_fused_backward: bool = False  # see c2.ops.splash_attention.block_sizes
+  splash_query_chunks: int = 1  # see c2.ops.splash_attention.splash_attention
   context_parallel: str = "ulysses"  # or "latent_all_gather" (c2.ops.context_attention)
   sequence_layout: str = "natural"  # or "zigzag" (c2.data.zigzag)
   dtype: jnp.dtype = jnp.float32
@@ -141,7 +142,8 @@ class MLAttention(nn.Module):
       else:  # one shard, or splash's implicit Ulysses (causal by index: natural rows only)
         out = attention(q, k, v, scale=self.softmax_scale, segment_ids=segment_ids,
                         impl=self.attention_impl, positions=positions if permuted else None,
-                        splash_fused_backward=self.splash_fused_backward)
+                        splash_fused_backward=self.splash_fused_backward,
+                        splash_query_chunks=self.splash_query_chunks)
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = jnp.einsum("BTHJ,HJD->BTD", out, w_out)
     return constrain(y, ("batch", "length", "act_embed"))

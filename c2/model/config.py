@@ -99,6 +99,9 @@ class ModelConfig:
   # Splash's backward as one kernel (c2.ops.splash_attention): fewer FLOPs, but it holds dq per
   # kv block (T^2 / block_kv): the layouts measured to fit turn it on (experiments/layouts.py).
   splash_fused_backward: bool = False
+  # Splash called per chunk of query rows (each against its causal key prefix): the fused
+  # backward's dq partials shrink by this factor, so long rows can keep the fused backward.
+  splash_query_chunks: int = 1
   # How attention splits a row over the mesh's context axis (c2.ops.context_attention):
   # "latent_all_gather" gathers the MLA latents (Composer 2's; the pipeline then lays rows out
   # zig-zag, c2.data.zigzag) or "ulysses" all-to-alls (the default: on TPU, splash exactly as
@@ -151,6 +154,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r}: only 'sigmoid' is supported")
     if self.mtp_depth < 0:
       raise ValueError("ModelConfig.mtp_depth must be >= 0")
+    if self.splash_query_chunks < 1:
+      raise ValueError("ModelConfig.splash_query_chunks must be >= 1 (1: one splash call per row)")
     if self.ep_capacity_factor is not None and self.ep_capacity_factor < 1.0:
       raise ValueError("ModelConfig.ep_capacity_factor must be >= 1 (None: dropless worst case)")
     for name, allowed in (("gmm_impl", GMM_IMPLS), ("a2a_impl", A2A_IMPLS),

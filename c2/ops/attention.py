@@ -90,9 +90,10 @@ def resolve_impl(impl: str, seq_len: int) -> str:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, segment_ids: jax.Array,
               impl: str = "auto", positions: Optional[jax.Array] = None,
-              splash_fused_backward: bool = False) -> jax.Array:
+              splash_fused_backward: bool = False, splash_query_chunks: int = 1) -> jax.Array:
   """Causal self-attention inside packed documents, by the implementation `impl` names
-  (splash_fused_backward: c2.ops.splash_attention.block_sizes).
+  (splash_fused_backward: c2.ops.splash_attention.block_sizes; splash_query_chunks:
+  c2.ops.splash_attention.splash_attention).
 
   q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] int (0 = padding),
   positions [B, T] int or None (None: causal by row index) -> [B, T, H, J] (dtype of v).
@@ -111,5 +112,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, segment
       raise ValueError("the splash kernel is causal by row index; permuted rows (positions) need "
                        "the reference or blockwise impl, or c2.ops.context_attention")
     out = splash_attention(q, k, v, scale=scale, segment_ids=segment_ids,
-                           fused_backward=splash_fused_backward)
+                           fused_backward=splash_fused_backward,
+                           query_chunks=splash_query_chunks)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(v.dtype)

@@ -69,7 +69,10 @@ def block_sizes(seq_len: int, generation: Optional[str] = None,
   v5p:16x16x16, full 32k step): FLOP ratio 1.612 -> 1.456 for 55.9 -> 60.7 GiB per device; the
   same model over 2 slices (fsdp 32) went from 78.3 to 103.5 GiB, over the 95, and on
   tpu7x:8x16x16 from 70.9 to 95.05 of 96 GiB; at 256k it would hold about 64 GiB per device.
-  Hence a per-layout choice (ModelConfig.splash_fused_backward).
+  Hence a per-layout choice (ModelConfig.splash_fused_backward), and query chunks
+  (splash_attention's `query_chunks`, ModelConfig.splash_query_chunks) that divide the partials:
+  the full 256k step fused in 16 chunks, 71.7 GiB and FLOP ratio 1.447 against 59.3 GiB and
+  1.801 with separate kernels (AOT, v5p:16x16x16, 2026-12-06).
   """
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
@@ -111,9 +114,14 @@ class CausalBlockMask(splash_mask.CausalMask):
     return self.mask_function(rows[:, None], cols[None, :])
 
 
-def make_kernel(num_heads: int, seq_len: int, blocks: splash.BlockSizes, interpret: bool = False):
-  """A causal splash kernel for [H, T, *] inputs (mask processing is cached by jax per mask)."""
-  mask = splash_mask.MultiHeadMask([CausalBlockMask((seq_len, seq_len))] * num_heads)
+def make_kernel(num_heads: int, seq_len: int, blocks: splash.BlockSizes, interpret: bool = False,
+                kv_len: Optional[int] = None):
+  """A causal splash kernel for q [H, T, *] against k, v [H, kv_len, *] (default T): the queries
+  are the last T of the kv_len positions (a chunk of rows against its key prefix). Mask
+  processing is cached by jax per mask."""
+  kv_len = seq_len if kv_len is None else kv_len
+  causal = CausalBlockMask((seq_len, kv_len), offset=kv_len - seq_len)
+  mask = splash_mask.MultiHeadMask([causal] * num_heads)
   return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
                                 interpret=interpret)
 
@@ -158,41 +166,56 @@ def _splash_call_bwd(vjp, d_out):
 _splash_call.defvjp(_splash_call_fwd, _splash_call_bwd)
 
 
-def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret, fused_backward):
+def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret, fused_backward,
+                  query_chunks):
   """One device's shard: q [B, T, H, K], k [B, T, H, K], v [B, T, H, J] -> [B, T, H, J]."""
   t, h, v_dim = q.shape[1], q.shape[2], v.shape[3]
   blocks = blocks or block_sizes(t, generation, fused_backward)
-  padded_t = round_up(t, math.lcm(blocks.block_q, blocks.block_kv))
+  padded_t = round_up(t, query_chunks * math.lcm(blocks.block_q, blocks.block_kv))
+  chunk = padded_t // query_chunks
 
   def to_kernel_layout(x):  # [B, T, H, D] -> [B, H, T', D'], zero padded
     d = x.shape[-1]
     x = jnp.pad(x, ((0, 0), (0, padded_t - t), (0, 0), (0, round_up(d, HEAD_DIM_MULTIPLE) - d)))
     return jnp.einsum("BTHD->BHTD", x)
 
-  q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+  q = to_kernel_layout((q.astype(jnp.float32) * scale).astype(q.dtype))
+  k, v = to_kernel_layout(k), to_kernel_layout(v)
   seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded_t - t)))
-  kernel = make_kernel(h, padded_t, blocks, interpret)
-  out = _splash_call(
-      kernel, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v),
-      splash.SegmentIds(q=seg, kv=seg))  # [B, H, T', J']
+  # Query chunk c (rows [c * chunk, (c + 1) * chunk)) against its causal key prefix: the same
+  # score blocks as one call, but the fused backward's dq per kv block is [prefix / block_kv,
+  # chunk, H, K] per call instead of [T / block_kv, T, H, K] (module docstring).
+  outs = []
+  for end in range(chunk, padded_t + 1, chunk):
+    kernel = make_kernel(h, chunk, blocks, interpret, kv_len=end)
+    outs.append(_splash_call(
+        kernel, q[:, :, end - chunk:end], k[:, :, :end], v[:, :, :end],
+        splash.SegmentIds(q=seg[:, end - chunk:end], kv=seg[:, :end])))  # [B, H, chunk, J']
+  out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, H, T', J']
   return jnp.einsum("BHTJ->BTHJ", out)[:, :t, :, :v_dim].astype(v.dtype)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                      segment_ids: jax.Array, blocks: Optional[splash.BlockSizes] = None,
-                     interpret: bool = False, fused_backward: bool = False) -> jax.Array:
+                     interpret: bool = False, fused_backward: bool = False,
+                     query_chunks: int = 1) -> jax.Array:
   """Causal self-attention inside packed segments with the splash kernel.
 
   q [B, T, H, K], k [B, T, H, K], v [B, T, H, J], segment_ids [B, T] -> [B, T, H, J] (dtype of
-  v). `blocks` overrides the table (and `fused_backward`, see block_sizes); `interpret` runs the
-  kernel in the Pallas interpreter (CPU tests). Under a mesh (jax.set_mesh) it runs in shard_map over the batch and head axes.
+  v). `blocks` overrides the table (and `fused_backward`, see block_sizes); `query_chunks` > 1
+  runs one kernel per chunk of query rows against its key prefix (T is padded to a multiple of
+  chunks x blocks), which divides the fused backward's dq partials by the chunk count;
+  `interpret` runs the kernel in the Pallas interpreter (CPU tests). Under a mesh
+  (jax.set_mesh) it runs in shard_map over the batch and head axes.
   """
+  if query_chunks < 1:
+    raise ValueError(f"query_chunks must be >= 1, got {query_chunks}")
   mesh = jax.sharding.get_abstract_mesh()
   has_mesh = mesh is not None and not mesh.empty
   device = mesh.abstract_device if has_mesh else None
   local = functools.partial(
       _local_splash, scale=float(scale), blocks=blocks, interpret=interpret,
-      fused_backward=fused_backward,
+      fused_backward=fused_backward, query_chunks=query_chunks,
       generation=generation_of(device if device is not None else jax.devices()[0]))
   if not has_mesh or math.prod(mesh.axis_sizes) == 1:
     with jax.named_scope("splash_attention"):
@@ -205,11 +228,16 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                          check_vma=False)(q, k, v, segment_ids)
 
 
-def causal_block_fraction(seq_len: int, block_q: int, block_kv: int) -> float:
-  """Fraction of the [T, T] score matrix the kernel computes under a causal mask: every
+def causal_block_fraction(seq_len: int, block_q: int, block_kv: int,
+                          kv_len: Optional[int] = None) -> float:
+  """Fraction of the [T, kv_len] score matrix (kv_len default T; queries are the last T of the
+  kv_len positions, as in make_kernel) the kernel computes under a causal mask: every
   (q-block, kv-block) pair holding at least one unmasked entry is computed whole."""
-  q_blocks, kv_blocks = -(-seq_len // block_q), -(-seq_len // block_kv)
-  computed = sum(min(kv_blocks, ((i + 1) * block_q - 1) // block_kv + 1) for i in range(q_blocks))
+  kv_len = seq_len if kv_len is None else kv_len
+  offset = kv_len - seq_len
+  q_blocks, kv_blocks = -(-seq_len // block_q), -(-kv_len // block_kv)
+  computed = sum(min(kv_blocks, (offset + (i + 1) * block_q - 1) // block_kv + 1)
+                 for i in range(q_blocks))
   return computed * block_q * block_kv / (q_blocks * block_q * kv_blocks * block_kv)
 
 
@@ -242,8 +270,8 @@ def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str,
     return int(found.group(1)) if found else default
 
   default = block_sizes(seq_q)
-  fraction = causal_block_fraction(seq_kv, block("block_q", default.block_q),
-                                   block("block_kv", default.block_kv))
+  fraction = causal_block_fraction(seq_q, block("block_q", default.block_q),
+                                   block("block_kv", default.block_kv), kv_len=seq_kv)
   pairs = math.prod(q[:-1]) * seq_kv * fraction  # (query, key) score entries computed
   return 2.0 * pairs * (qk_units * q[-1] + pv_units * v[-1])
 

@@ -79,6 +79,8 @@ def test_config_validation_names_the_field(small_cfg):
     small_cfg.replace(gmm_impl="fast")
   with pytest.raises(ValueError, match="qk_rope_head_dim"):
     small_cfg.replace(qk_rope_head_dim=7)
+  with pytest.raises(ValueError, match="splash_query_chunks"):
+    small_cfg.replace(splash_query_chunks=0)
 
 
 def test_router_biases_move_by_the_aux_free_rule_through_the_model_api(small_cfg, setup):

@@ -118,14 +118,37 @@ def test_splash_interpret_on_mesh_matches_reference(fused):
   _assert_close(got, want, 2e-5)
 
 
-def test_splash_with_context_axis_under_remat_matches_reference():
+@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
+def test_splash_query_chunks_match_reference(fused):
+  """Query rows in 3 chunks, each against its causal key prefix (T = 300 pads to 3 x 128):
+  documents cross the chunk borders at 128 and 256, one starts in the first chunk and ends in
+  the last; same values and gradients as the reference."""
+  q, k, v, seg, ct = _inputs(2, 300, 2, 48, 32, [([1, 2, 0], [90, 200, 10]),
+                                                   ([5, 6], [120, 180])])
+  blocks = sa.block_sizes(128, fused_backward=fused)
+  fn = lambda q, k, v: jnp.where(
+      (seg != 0)[:, :, None, None],
+      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, blocks=blocks, interpret=True,
+                          query_chunks=3), 0)
+  got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, ct)
+  want = jax.jit(lambda *a: _value_and_grads(_reference(seg, 0.25), *a))(q, k, v, ct)
+  _assert_close(got, want, 2e-5)
+  with pytest.raises(ValueError, match="query_chunks"):
+    sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, query_chunks=0)
+
+
+@pytest.mark.parametrize("fused,query_chunks", [(False, 1), (True, 2)])
+def test_splash_with_context_axis_under_remat_matches_reference(fused, query_chunks):
   """Context parallelism splits heads inside the kernel (kernel_heads -> tensor, context), and
-  the save_attention remat policy keeps the kernel's outputs: same values and gradients."""
+  the save_attention remat policy keeps the kernel's outputs (each query chunk's): same values
+  and gradients."""
   from c2.model.block import remat_policy  # pylint: disable=import-outside-toplevel
-  q, k, v, seg, ct = _inputs(2, 128, 4, 48, 32, [([1, 2], [60, 68]), ([3, 0], [100, 28])])
+  q, k, v, seg, ct = _inputs(2, 200, 4, 48, 32, [([1, 2], [60, 140]), ([3, 0], [170, 30])])
+  blocks = sa.block_sizes(128, fused_backward=fused)
   inner = lambda q, k, v: jnp.where(
       (seg != 0)[:, :, None, None],
-      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, interpret=True), 0)
+      sa.splash_attention(q, k, v, scale=0.25, segment_ids=seg, interpret=True, blocks=blocks,
+                          query_chunks=query_chunks), 0)
   fn = jax.checkpoint(inner, policy=remat_policy("save_attention"))
   with jax.set_mesh(meshlib.make_mesh({"fsdp": 2, "tensor": 2, "context": 2})):
     got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, ct)
@@ -143,6 +166,25 @@ def test_causal_block_mask_gives_the_stock_mask_info(seq_len, block_q, block_kv)
       splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len))] * 2),
       block_sizes=blocks, head_shards=1, q_seq_shards=1)
   fast = sa.make_kernel(2, seq_len, blocks)
+  _assert_same_mask_info(stock, fast)
+
+
+def test_causal_block_mask_of_a_query_chunk_gives_the_stock_mask_info():
+  """The last 256 queries against all 1024 keys (a query chunk, make_kernel's kv_len)."""
+  blocks = splash.BlockSizes(block_q=128, block_kv=256, block_q_dkv=128, block_kv_dkv=256,
+                             block_q_dq=128, block_kv_dq=256)
+  stock = splash.make_splash_mha(
+      splash_mask.MultiHeadMask([splash_mask.CausalMask((256, 1024), offset=768)] * 2),
+      block_sizes=blocks, head_shards=1, q_seq_shards=1)
+  _assert_same_mask_info(stock, sa.make_kernel(2, 256, blocks, kv_len=1024))
+  # 2 query blocks x 4 kv blocks, the last kv block half causal for the first query block
+  assert sa.causal_block_fraction(256, 128, 256, kv_len=1024) == 1.0
+  assert sa.causal_block_fraction(256, 128, 512, kv_len=1024) == 1.0
+  assert sa.causal_block_fraction(512, 128, 128, kv_len=1024) == pytest.approx(
+      (5 + 6 + 7 + 8) / (4 * 8))
+
+
+def _assert_same_mask_info(stock, fast):
   for want, got in ((stock.fwd_mask_info, fast.fwd_mask_info),
                     (stock.dq_mask_info, fast.dq_mask_info),
                     (stock.dkv_mask_info, fast.dkv_mask_info)):
@@ -159,12 +201,12 @@ def _tpu_mesh(layout, topology="v5p:2x2x1"):
   return meshlib.make_mesh(layout, devices=topology_devices(topology))
 
 
-def _compile_model_grad(b, t, layout, fused_backward=False):
+def _compile_model_grad(b, t, layout, fused_backward=False, query_chunks=1):
   """One dense block (no MTP) of the tiny preset, attention_impl="auto", grad of a loss."""
   from c2 import model  # pylint: disable=import-outside-toplevel
   from c2.model.config import get_preset  # pylint: disable=import-outside-toplevel
   cfg = get_preset("tiny", num_layers=1, first_k_dense=1, mtp_depth=0, attention_impl="auto",
-                   splash_fused_backward=fused_backward)
+                   splash_fused_backward=fused_backward, splash_query_chunks=query_chunks)
   mesh = _tpu_mesh(layout)
   params = with_shardings(model.abstract_params(cfg), model.param_shardings(cfg, mesh))
   batch = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
@@ -178,17 +220,21 @@ def _compile_model_grad(b, t, layout, fused_backward=False):
 
 @pytest.mark.tpu_aot
 @needs_libtpu
-@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
-def test_model_train_grad_compiles_with_splash_on_tpu(fused):
+@pytest.mark.parametrize("fused,chunks", [(False, 1), (True, 1), (True, 2)],
+                         ids=["dq_and_dkv_kernels", "fused_backward", "fused_2_query_chunks"])
+def test_model_train_grad_compiles_with_splash_on_tpu(fused, chunks):
   """Forward + backward at 1024 tokens: the TPU mesh makes "auto" pick splash although this
   host is a CPU; the fwd, dQ and dKV kernels (fwd and one backward kernel with
-  ModelConfig.splash_fused_backward) are in the HLO, and all temporaries (7.3 MiB unfused) stay
-  below one device's dense [B, H, T, T] float32 scores (16 MiB; the reference: 19.4 MiB)."""
+  ModelConfig.splash_fused_backward; per query chunk with splash_query_chunks) are in the HLO,
+  and all temporaries (7.3 MiB unfused) stay below one device's dense [B, H, T, T] float32
+  scores (16 MiB; the reference: 19.4 MiB), by half but with chunks."""
   b, t = 4, 1024
-  cfg, compiled = _compile_model_grad(b, t, {"fsdp": 2, "tensor": 2}, fused)
-  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3)
+  cfg, compiled = _compile_model_grad(b, t, {"fsdp": 2, "tensor": 2}, fused, chunks)
+  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3) * chunks
   dense_scores = (b // 2) * (cfg.num_heads // 2) * t * t * 4
-  assert compiled.memory_analysis().temp_size_in_bytes < dense_scores / 2
+  # Chunks add each chunk's key prefix and its gradient (11.0 MiB in all at this T, where the
+  # dq partials they divide are small; at 32k they save far more: the test below).
+  assert compiled.memory_analysis().temp_size_in_bytes < dense_scores / (2 if chunks == 1 else 1)
 
 
 @pytest.mark.slow
@@ -204,12 +250,14 @@ def test_model_train_grad_at_32k_tokens_fits_in_o_of_t():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
-@pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
-def test_splash_at_32k_tokens_needs_o_of_t_memory(fused):
+@pytest.mark.parametrize("fused,chunks", [(False, 1), (True, 1), (True, 8)],
+                         ids=["dq_and_dkv_kernels", "fused_backward", "fused_8_query_chunks"])
+def test_splash_at_32k_tokens_needs_o_of_t_memory(fused, chunks):
   """Attention fwd + bwd at 32,768 tokens (batch 1, 4 heads over tensor=4, tiny MLA dims):
   with separate dq and dkv kernels temporaries are O(T) (~73 MiB: lane-broadcast segment ids
   and positions, lse, padded q/k/v), not the 4 GiB of one device's dense [1, 1, T, T] float32
-  scores. The fused backward adds dq per kv block: T / 512 x [T, 128] bf16 = 512 MiB here."""
+  scores. The fused backward adds dq per kv block: T / 512 x [T, 128] bf16 = 512 MiB here; in
+  8 query chunks at most T / 512 x [T / 8, 128] = 64 MiB per call."""
   t = 32768
   blocks = sa.block_sizes(t, fused_backward=fused)
   mesh = _tpu_mesh({"tensor": 4})
@@ -218,13 +266,21 @@ def test_splash_at_32k_tokens_needs_o_of_t_memory(fused):
   seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=NamedSharding(mesh, P()))
 
   def loss(q, k, v, segment_ids):
-    out = sa.splash_attention(q, k, v, scale=0.1, segment_ids=segment_ids, blocks=blocks)
+    out = sa.splash_attention(q, k, v, scale=0.1, segment_ids=segment_ids, blocks=blocks,
+                              query_chunks=chunks)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(sds(48), sds(48), sds(32),
                                                                  seg).compile()
-  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3)
+  assert compiled.as_text().count("tpu_custom_call") == (2 if fused else 3) * chunks
   temporaries = compiled.memory_analysis().temp_size_in_bytes
-  print(f"splash at 32k, fused backward {fused}: temporaries {temporaries / 2**20:.1f} MiB")
-  assert temporaries < ((256 + 512) << 20 if fused else 256 << 20)  # dense: 4 GiB
+  print(f"splash at 32k, fused backward {fused}, {chunks} query chunks: temporaries "
+        f"{temporaries / 2**20:.1f} MiB")
+  assert temporaries < ((256 + 512 // chunks) << 20 if fused else 256 << 20)  # dense: 4 GiB
+  # The chunks compute the same score blocks as one call: each 128-wide (padded) matmul over
+  # the causal blocks, forward 2, backward 5 fused or 4 + 3 separate.
+  from c2.perf import hlo_flops  # pylint: disable=import-outside-toplevel
+  pairs = t * t * sa.causal_block_fraction(t, blocks.block_q, blocks.block_kv)  # one head
+  assert hlo_flops.count_flops(compiled.as_text()).total == 2 * pairs * 128 * (
+      2 + (5 if fused else 7))

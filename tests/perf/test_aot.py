@@ -109,9 +109,10 @@ print("REPORT " + json.dumps({**dataclasses.asdict(report), "flop_ratio": report
 def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
   """experiments/extend_256k.py:proxy as launched: the ~30B-A3B proxy, 8 rows of 262,144 tokens
   on 64 v5p chips (expert 8 x context 8, each row over 8 context shards, Ulysses into splash at
-  the full row). Measured 2026-12-04: 60.1 of 95 GiB per device, FLOP ratio 1.788 (splash 91%),
-  613 GiB of collectives per device per step; compile 428 s alone (886 s beside other work) at
-  17.3 GB of host memory. Beside an xdist worker that had compiled other TPU programs it was
+  the full row, its fused backward in 16 query chunks). Measured 2026-12-06: 64.6 of 95 GiB per
+  device, FLOP ratio 1.435 (splash 90%), 615 GiB of collectives per device per step; compile
+  765 s beside a test run (with separate backward kernels, 2026-12-04: 60.1 GiB, 1.788, 428 s
+  alone, 886 s beside other work) at ~17 GB of host memory. Beside an xdist worker that had compiled other TPU programs it was
   OOM-killed on the 24 GiB CI machine, so it is marked `alone` (.ci/run runs it on its own) and
   compiles in a subprocess whose memory returns to the OS at its end."""
   import json, os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
@@ -128,7 +129,7 @@ def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
   assert report["total_bytes"] <= 0.9 * report["hbm_bytes"], report["total_bytes"] / 2**30
   # The loops' trip counts and every kernel's FLOPs are known, so the ratio counts everything.
   assert not report["unknown_trip_count_loops"] and not report["uncounted_kernels"]
-  assert 1.0 <= report["flop_ratio"] <= 1.85, report["flop_ratio"]  # measured 1.788
+  assert 1.0 <= report["flop_ratio"] <= 1.5, report["flop_ratio"]  # measured 1.435
   assert report["collectives"]["all-to-all"] > 0  # sequence shards swapped for head shards
 
 
