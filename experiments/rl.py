@@ -96,9 +96,10 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # report's layout is EP=8 / CP=8 (see the README's RL AOT table for what was measured).
     c.data.update(seq_len=65536, global_batch_size=512)
     c.mesh.update(fsdp=-1, expert=8, context=8)
-    # Splash's fused backward holds dq per kv block (T^2 / block_kv): at 64k rows the step then
-    # needs 98.0 of 95 GiB (FLOP ratio 1.502; measured 2026-12-04), so the separate kernels.
-    c.model.splash_fused_backward = False
+    # Splash's fused backward holds dq per kv block (T^2 / block_kv): at 64k rows in one call
+    # the step needs 98.0 of 95 GiB (measured 2026-12-04); in 4 query chunks 64.0 GiB, FLOP
+    # ratio 1.399 against 63.8 GiB and 1.72 with the separate kernels (2026-12-06, README).
+    c.model.update(splash_fused_backward=True, splash_query_chunks=4)
     c.rl.update(group_size=16, groups_per_step=64, max_staleness=2, env_workers=4096,
                 engines=64, engine_slots=512, draft_depth=2, max_new_tokens=16384,
                 task_levels="1,2,3,4,5", train_tasks=200000, heldout_tasks=512,
