@@ -41,9 +41,13 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   28,090 GiB, HBM (55.9 GiB) and FLOP ratio unchanged. Splash's fused backward (one kernel for
   dq and dkv, c2.ops.splash_attention.block_sizes): 60.7 GiB, FLOP ratio 1.456 (2026-12-04);
   the grouped matmuls computing group-boundary tiles by 128-row slabs (pallas_kernels/
-  gmm_kernel.py): 60.7 GiB, 1.385 (2026-12-06)."""
+  gmm_kernel.py): 60.7 GiB, 1.385; the fused backward in 4 query chunks: 56.2 GiB, 1.385 (on
+  tpu7x:8x16x16 71.1 of 96 GiB, 1.409; 2 x v5p:16x16x8 78.4 GiB, 1.385; 2026-12-06)."""
   c.model.preset = "kimi-k2.5"
-  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention", splash_fused_backward=True)
+  # Fused splash backward in 4 query chunks: its dq partials then cost about what the separate
+  # kernels' second score pass saved in memory, on every topology measured (README).
+  c.model.update(ep_capacity_factor=2.0, remat_policy="save_attention", splash_fused_backward=True,
+                 splash_query_chunks=4)
   c.data.update(tokenizer=KIMI_TOKENIZER, seq_len=32768, global_batch_size=1024)
   c.mesh.update(fsdp=-1, expert=16, tensor=1, context=4)
   c.train.update(max_minutes=None, eval_batches=16, ce_chunk_size=2048 * 4096)

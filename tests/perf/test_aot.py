@@ -59,10 +59,11 @@ def test_mesh_larger_than_topology_is_a_config_error():
 @pytest.mark.slow
 def test_proxy_pretraining_fits_small_v5p_with_honest_flops():
   """The ~30B-A3B proxy at 4k tokens on 16 v5p chips: fits, and the compiled matmul FLOPs
-  (c2.perf.hlo_flops) are within [1.0, 1.25] of the analytic useful FLOPs (6 x active params x tokens
-  + attention). Measured: 76.9 GiB of 95, ratio 1.13 with splash's fused backward (layouts.proxy;
-  75.7 GiB and 1.17 with separate dq / dkv kernels): splash's causal blocks and 192->256 head
-  padding, the MTP layer, capacity-buffer tile revisits make up the excess."""
+  (c2.perf.hlo_flops) are within [1.0, 1.1] of the analytic useful FLOPs (6 x active params x tokens
+  + attention). Measured: 76.9 GiB of 95, ratio 1.048 with splash's fused backward (layouts.proxy)
+  and the grouped matmuls' boundary slabs (2026-12-06; 1.13 with whole boundary tiles, 1.17 with
+  separate dq / dkv kernels): splash's causal blocks and 192->256 head padding, the MTP layer
+  and capacity-buffer slabs make up the excess."""
   exp = _experiment("experiments/pretrain.py:proxy", **{
       "data.seq_len": 4096, "data.global_batch_size": 16, "mesh.expert": 8, "mesh.fsdp": 2,
       "model.remat_policy": "save_dots"})
@@ -70,7 +71,7 @@ def test_proxy_pretraining_fits_small_v5p_with_honest_flops():
   print(report.format())
   assert report.fits
   assert not report.unknown_trip_count_loops and not report.uncounted_kernels
-  assert 1.0 <= report.flop_ratio <= 1.25
+  assert 1.0 <= report.flop_ratio <= 1.1
 
 
 @pytest.mark.slow
