@@ -25,6 +25,12 @@ block_sizes). This wrapper adapts it:
     whole attention (measured by c2.aot: 4x the attention FLOPs at context=4).
 Padding query rows (segment 0) attend causally to other padding tokens; the dispatcher zeroes
 their outputs.
+
+Query chunks (`query_chunks`, ModelConfig.splash_query_chunks): the row's queries split into C
+chunks, each a kernel call against its causal key prefix (a causal mask offset by the chunk's
+start). The calls compute the same score blocks as one call over the row, and autodiff sums
+their dk, dv. What changes is the fused backward's dq per kv block, [prefix / block_kv, T / C,
+H, K] per call instead of [T / block_kv, T, H, K]: the fused backward then fits at 256k.
 """
 from __future__ import annotations
 
