@@ -13,8 +13,8 @@ pick which lhs rows and which expert's rhs to DMA next; its used length is the d
 
 Boundary items. An item whose group covers its whole row tile runs one [tm]-row dot. One that
 covers only part of it (a group boundary falls inside the tile) runs the dot per slab of
-`slab_rows` rows and skips the slabs holding none of its rows: with tm = 512 and the MXU's 128
-rows, a boundary costs one extra slab instead of one extra tile. For the full kimi-k2.5 step at
+`slab_rows_for(tm, mxu_side)` rows and skips the slabs holding none of its rows: with tm = 512
+and a 128-wide MXU, a boundary costs one extra slab instead of one extra tile. For the full kimi-k2.5 step at
 32k (24 experts and ~65k rows per device) whole-tile revisits were ~20% of the expert FLOPs.
 
 Operands arrive in the low-precision storage format (HBM traffic stays at 8 or 4 bits per
@@ -81,7 +81,7 @@ def _compiler_params(vmem_limit_bytes: int, semantics):
 def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
              rhs: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
              out_shape: tuple[int, int], out_dtype, mxu_dtype, packed: bool, interpret: bool,
-             vmem_limit_bytes: int, slab_rows: int, cost_rows: int | None = None) -> jax.Array:
+             vmem_limit_bytes: int, mxu_side: int, cost_rows: int | None = None) -> jax.Array:
   """lhs [Mp, Kp] x rhs [G, Kp, Np] -> out [Mp, Np] (padded dims are tile multiples)."""
   tm, tk, tn = tiles
   mp, np_ = out_shape
@@ -90,7 +90,7 @@ def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOper
   tk_stored = tk // 2 if packed else tk
   direct = mxu_dtype == fmt.values_dtype  # bf16, or fp8 where e4m3 is MXU-native: no decode
   tkb = tk // fmt.block if fmt.block else 0
-  slab = slab_rows_for(tm, slab_rows)
+  slab = slab_rows_for(tm, mxu_side)
 
   def kernel(meta, *refs):
     (l_val, l_scale, l_row), (r_val, r_scale, r_row), (out, acc) = _split_refs(refs, lhs, rhs)
@@ -193,10 +193,10 @@ def gmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOper
 def tgmm_call(meta: GroupMetadata, num_items: jax.Array, lhs: operands.KernelOperand,
               grad: operands.KernelOperand, *, fmt: quant.Format, tiles: tuple[int, int, int],
               num_groups: int, out_dtype, mxu_dtype, packed: bool, interpret: bool,
-              vmem_limit_bytes: int, slab_rows: int, cost_rows: int | None = None) -> jax.Array:
+              vmem_limit_bytes: int, mxu_side: int, cost_rows: int | None = None) -> jax.Array:
   """lhs [Mp, Kp]^T x grad [Mp, Np] per group -> out [G, Kp, Np]."""
   tm, tk, tn = tiles
-  slab = slab_rows_for(tm, slab_rows)
+  slab = slab_rows_for(tm, mxu_side)
   kp, np_ = lhs.values.shape[1], grad.values.shape[1]
   mp = lhs.values.shape[0] * (2 if packed else 1)
   tiles_k, tiles_n = kp // tk, np_ // tn

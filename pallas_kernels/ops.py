@@ -64,7 +64,7 @@ def _gmm_impl(lhs, rhs, group_sizes, fmt_name: str, out_dtype, gen: tuning.Gener
       meta, num_items, lq, rq, fmt=fmt, tiles=(tm, tk, tn),
       out_shape=(mp, np_), out_dtype=jnp.dtype(out_dtype),
       mxu_dtype=tuning.mxu_dtype(gen, fmt.name), packed=packed, interpret=gen.interpret,
-      vmem_limit_bytes=gen.vmem_limit_bytes, slab_rows=gen.mxu_rows, cost_rows=expected_rows)
+      vmem_limit_bytes=gen.vmem_limit_bytes, mxu_side=gen.mxu_side, cost_rows=expected_rows)
   return out[:m, :n]
 
 
@@ -84,7 +84,7 @@ def _tgmm_impl(lhs, grad, group_sizes, fmt_name: str, out_dtype, gen: tuning.Gen
   out = gmm_kernel.tgmm_call(
       meta, num_items, lq, gq, fmt=fmt, tiles=(tm, tk, tn), num_groups=g,
       out_dtype=jnp.dtype(out_dtype), mxu_dtype=tuning.mxu_dtype(gen, fmt.name), packed=packed,
-      interpret=gen.interpret, vmem_limit_bytes=gen.vmem_limit_bytes, slab_rows=gen.mxu_rows,
+      interpret=gen.interpret, vmem_limit_bytes=gen.vmem_limit_bytes, mxu_side=gen.mxu_side,
       cost_rows=expected_rows)
   return out[:, :k, :n]
 

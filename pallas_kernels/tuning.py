@@ -45,7 +45,7 @@ class Generation:
   tgmm_tiles: tuple[tuple[float, tuple[int, int, int]], ...]
   # The MXU's side (128 x 128 on v5e/v5p, 256 x 256 on v6e/TPU7x): the row slab the kernels
   # compute a group-boundary tile in (gmm_kernel), which is also tgmm's contraction depth there.
-  mxu_rows: int = 128
+  mxu_side: int = 128
 
 
 _E4M3 = frozenset({"float8_e4m3fn"})
@@ -69,11 +69,11 @@ GENERATIONS: dict[str, Generation] = {
     "v6e": Generation(
         "v6e", False, frozenset(), False, 64 * MIB,
         gmm_tiles=((_SMALL_GROUPS, (256, 1024, 2048)), (_INF, (512, 1024, 2048))),
-        tgmm_tiles=((_INF, (512, 1024, 1024)),), mxu_rows=256),
+        tgmm_tiles=((_INF, (512, 1024, 1024)),), mxu_side=256),
     "tpu7x": Generation(
         "tpu7x", False, _E4M3, True, 32 * MIB,
         gmm_tiles=((_SMALL_GROUPS, (256, 1024, 1024)), (_INF, (512, 1024, 1024))),
-        tgmm_tiles=((_INF, (512, 1024, 512)),), mxu_rows=256),
+        tgmm_tiles=((_INF, (512, 1024, 512)),), mxu_side=256),
 }
 
 _DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",

@@ -197,7 +197,7 @@ def _local_splash(q, k, v, segment_ids, *, scale, blocks, generation, interpret,
     outs.append(_splash_call(
         kernel, q[:, :, end - chunk:end], k[:, :, :end], v[:, :, :end],
         splash.SegmentIds(q=seg[:, end - chunk:end], kv=seg[:, :end])))  # [B, H, chunk, J']
-  out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, H, T', J']
+  out = jnp.concatenate(outs, axis=2)  # [B, H, T', J']
   return jnp.einsum("BHTJ->BTHJ", out)[:, :t, :, :v_dim].astype(v.dtype)
 
 

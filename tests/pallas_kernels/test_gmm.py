@@ -31,7 +31,7 @@ RTOL = 1e-5
 # Group boundaries fall inside row tiles, whose 4 slabs of 32 rows are then computed one by one.
 SMALL = dataclasses.replace(tuning.GENERATIONS["cpu"], name="cpu-small",
                             gmm_tiles=((float("inf"), (128, 128, 128)),),
-                            tgmm_tiles=((float("inf"), (128, 128, 128)),), mxu_rows=32)
+                            tgmm_tiles=((float("inf"), (128, 128, 128)),), mxu_side=32)
 # Forward/backward format pairs: every format appears once forward and once backward.
 COMBOS = [("bf16", "bf16"), ("fp8", "fp8"), ("mxfp8", "nvfp4"), ("nvfp4", "mxfp8")]
 

@@ -113,9 +113,10 @@ def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
   the full row, its fused backward in 16 query chunks). Measured 2026-12-06: 64.6 of 95 GiB per
   device, FLOP ratio 1.435 (splash 90%), 615 GiB of collectives per device per step; compile
   765 s beside a test run (with separate backward kernels, 2026-12-04: 60.1 GiB, 1.788, 428 s
-  alone, 886 s beside other work) at ~17 GB of host memory. Beside an xdist worker that had compiled other TPU programs it was
-  OOM-killed on the 24 GiB CI machine, so it is marked `alone` (.ci/run runs it on its own) and
-  compiles in a subprocess whose memory returns to the OS at its end."""
+  alone, 886 s beside other work) at ~17 GB of host memory. Beside an xdist worker that had
+  compiled other TPU programs it was OOM-killed on the 24 GiB CI machine, so it is marked
+  `alone` (.ci/run runs it on its own) and compiles in a subprocess whose memory returns to the
+  OS at its end."""
   import json, os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
   env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   run = subprocess.run([sys.executable, "-c", _PROXY_256K_REPORT], capture_output=True, text=True,

@@ -107,10 +107,10 @@ def test_pallas_kernels_count_their_cost_estimate(tpu_sharding):
                         ((G,), jnp.int32), sharding=tpu_sharding)
   count = hlo_flops.count_flops(compiled.as_text())
   v5p = pallas_kernels.tuning.get_generation("v5p")
-  assert pallas_kernels.tuning.select_tiles("gmm", v5p, M, K, N, G, "bf16", 2)[0] > v5p.mxu_rows
+  assert pallas_kernels.tuning.select_tiles("gmm", v5p, M, K, N, G, "bf16", 2)[0] > v5p.mxu_side
   # every row, plus one MXU slab per group boundary (a slab shared by two groups is computed
   # for each; the rest of a shared row tile is skipped)
-  assert count.by_kind == {"kernel gmm_bf16": 2 * (M + (G - 1) * v5p.mxu_rows) * K * N}
+  assert count.by_kind == {"kernel gmm_bf16": 2 * (M + (G - 1) * v5p.mxu_side) * K * N}
 
 
 def test_unknown_trip_count_is_reported(tpu_sharding):
