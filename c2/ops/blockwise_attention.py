@@ -49,6 +49,18 @@ def _unblocks(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, 0, 1).reshape(b, n * size, *x.shape[3:])
 
 
+def tied_to(anchor: jax.Array, *mask_inputs):
+  """(anchor, *mask_inputs) through an optimization barrier, so that the mask inputs (segment
+  ids, positions) depend on `anchor`, an array that differs per layer (q, or the cotangent).
+  Under a scan over layers the mask inputs are the same in every layer, and JAX's scan partial
+  evaluation (taking the gradient) hoists whatever depends only on loop invariants out of the
+  layer loop: every tile's mask, computed for all tiles at once and stacked as [query blocks,
+  key blocks, B, H, Q, C], the whole [T, T] score matrix this module exists to avoid (measured on
+  the latent context-parallel path of the tiny model's 128k step: 63 GiB of temporaries). The
+  barrier costs nothing at run time."""
+  return jax.lax.optimization_barrier((anchor, *mask_inputs))
+
+
 def block_mask(q_seg, kv_seg, q_idx, kv_idx, causal: bool) -> jax.Array:
   """q_seg, q_idx [B, Q], kv_seg, kv_idx [B, C] -> [B, 1, Q, C]: same non-padding segment and
   (if causal) q_idx >= kv_idx."""
@@ -98,6 +110,7 @@ def tile_grads(q_, k_, v_, do_, lse_, delta_, mask, scale):
 
 def _forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, block_kv):
   """Padded inputs -> (out [B, T, H, J] dtype of v, lse [B, H, T] float32)."""
+  q, q_seg, kv_seg, q_idx, kv_idx = tied_to(q, q_seg, kv_seg, q_idx, kv_idx)
   b, _, h, _ = q.shape
   j = v.shape[-1]
   ks, vs, kv_segs = _blocks(k, block_kv), _blocks(v, block_kv), _blocks(kv_seg, block_kv)
@@ -141,6 +154,7 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, q_idx, kv_idx, scale, causal, block_q, bl
 
 def _flash_bwd(scale, causal, block_q, block_kv, residuals, d_out):
   q, k, v, q_seg, kv_seg, q_idx, kv_idx, out, lse = residuals
+  d_out, q_seg, kv_seg, q_idx, kv_idx = tied_to(d_out, q_seg, kv_seg, q_idx, kv_idx)
   b, t, h, kd = q.shape
   d_out = jnp.where((q_seg != 0)[:, :, None, None], d_out, 0).astype(v.dtype)  # padding rows
   # delta_i = sum_j p_ij dp_ij = <dO_i, O_i>: the softmax-backward correction per row.

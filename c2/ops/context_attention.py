@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from c2.ops.blockwise_attention import block_mask, online_softmax_step, tile_grads
+from c2.ops.blockwise_attention import block_mask, online_softmax_step, tied_to, tile_grads
 from c2.ops.splash_attention import KERNEL_OUTPUTS
 from c2.parallel.sharding import logical_to_spec
 
@@ -118,6 +118,7 @@ def _add_chunk(x, update, slot, size, axis=1):
 def _forward(q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, scale, nope_dim, chunk, block_q,
              block_kv):
   """-> (out [B, U, H, J] dtype of q, lse [B, H, U] float32)."""
+  q, q_seg, q_pos, kv_seg, kv_pos, pairs = tied_to(q, q_seg, q_pos, kv_seg, kv_pos, pairs)
   b, u, h, _ = q.shape
   j = kv_b.shape[-1] - nope_dim
 
@@ -181,6 +182,7 @@ def _latent_flash_fwd(q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, scale, 
 
 def _latent_flash_bwd(scale, nope_dim, chunk, block_q, block_kv, residuals, d_out):
   q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, out, lse = residuals
+  d_out, q_seg, q_pos, kv_seg, kv_pos, pairs = tied_to(d_out, q_seg, q_pos, kv_seg, kv_pos, pairs)
   l_dim = kv_b.shape[0]
   d_out = jnp.where((q_seg != 0)[:, :, None, None], d_out, 0).astype(q.dtype)
   # delta_i = <dO_i, O_i>: the softmax-backward correction per row.

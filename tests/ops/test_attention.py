@@ -12,6 +12,7 @@ it is only compiled (AOT, marked tpu_aot), never run.
 """
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +287,25 @@ def test_splash_at_32k_tokens_needs_o_of_t_memory(fused, chunks):
   pairs = t * t * sa.causal_block_fraction(t, blocks.block_q, blocks.block_kv)  # one head
   assert hlo_flops.count_flops(compiled.as_text()).total == 2 * pairs * 128 * (
       2 + (5 if fused else 7))
+
+
+def test_blockwise_under_a_layer_scan_keeps_its_memory_per_tile():
+  """As the model runs it, under a scan over layers: the gradient's compiled program holds
+  nothing larger than the layers' stacked [B, T, H, K] residuals. Without `tied_to` (blockwise_attention.py) JAX's
+  scan partial evaluation hoisted every tile's mask out of the layer loop, stacked as [query
+  blocks, key blocks, B, H, Q, C]: the [T, T] scores."""
+  b, t, h, k = 1, 1024, 2, 16
+  seg = jnp.ones((b, t), jnp.int32)
+
+  def loss(q, k_, v):
+    def layer(x, _):
+      out = blockwise_attention(x, k_, v, scale=0.3, q_segment_ids=seg, kv_segment_ids=seg,
+                                block_q=128, block_kv=128)
+      return x + out, None
+    return jnp.sum(jax.lax.scan(layer, q, None, length=2)[0] ** 2)
+
+  shape = jax.ShapeDtypeStruct((b, t, h, k), jnp.float32)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile().as_text()
+  sizes = sorted({(int(np.prod([int(d) for d in dims.split(",") if d])), f"{kind}[{dims}]")
+                  for kind, dims in re.findall(r"(f32|pred)\[([\d,]*)\]", hlo)}, reverse=True)
+  assert sizes[0][0] <= 2 * b * t * h * k, f"largest arrays {sizes[:3]}"  # 2 layers

@@ -157,3 +157,37 @@ def test_latent_path_never_holds_whole_row_scores_or_kv():
     per_head_row = len(shape) >= 3 and t in shape and h in shape[shape.index(t):]
     assert not per_head_row, f"per-head K/V or scores over the whole row: {shape}"
   assert "all-gather" in hlo and "reduce-scatter" in hlo  # the gather and its transpose
+
+
+def _largest_arrays(hlo: str) -> list[tuple[int, str]]:
+  """(elements, shape) of the compiled program's float32 and bool arrays, largest first."""
+  found = {(int(np.prod([int(d) for d in dims.split(",") if d])), f"{kind}[{dims}]")
+           for kind, dims in re.findall(r"(f32|pred)\[([\d,]*)\]", hlo)}
+  return sorted(found, reverse=True)
+
+
+def test_latent_path_under_a_layer_scan_keeps_its_memory_per_tile():
+  """The gradient through a scan over layers (as the model runs it) holds no stack of per-tile
+  masks or scores: the segment ids and positions are the same in every layer, and without
+  `tied_to` JAX's scan partial evaluation hoisted every tile's mask out of the layer loop
+  (measured: [pairs, kv blocks, q blocks, B, H, Q, C], 63 GiB on the tiny model at 128k). Bound:
+  nothing larger than the op's own [B, T, H, K] query."""
+  t, h, block = 512, 4, 16
+  mesh = make_mesh({"context": 4, "fsdp": 2})
+  seg = jnp.ones((B, t), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+
+  def loss(q, lat, kv_b):
+    def layer(x, _):
+      out = ca.latent_attention(x, lat, kv_b, segment_ids=seg, positions=pos, scale=SCALE,
+                                nope_dim=N, layout="zigzag", block_q=block, block_kv=block)
+      return x + jnp.mean(out, axis=-1, keepdims=True), None
+    return jnp.sum(jax.lax.scan(layer, q, None, length=2)[0] ** 2)
+
+  args = (jax.ShapeDtypeStruct((B, t, h, N + R), jnp.float32),
+          jax.ShapeDtypeStruct((B, t, L + R), jnp.float32),
+          jax.ShapeDtypeStruct((L, h, N + J), jnp.float32))
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+  largest = _largest_arrays(hlo)
+  assert largest[0][0] <= B * t * h * (N + R), f"largest arrays {largest[:3]}"
