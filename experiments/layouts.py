@@ -80,7 +80,9 @@ def full_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   87% of the FLOPs), 1,242 GiB of collectives per device per step, compile 472 s at 17.1 GB of
   host memory; fused in 16 query chunks and with boundary slabs in the grouped matmuls
   (2026-12-06) 71.7 GiB (75%), FLOP ratio 1.447 (splash 85%), 1,245 GiB, compile 556 s. The
-  latent all-gather path does not fit (357 GiB of temporaries). Tune here."""
+  latent all-gather path (--config.model.context_parallel=latent_all_gather) with its masks tied
+  per layer (2026-12-06): 58.2 GiB (61%), FLOP ratio 1.345 (over unpadded XLA dots), 1,156 GiB,
+  compile 199 s; not the default until timed (README). Tune here."""
   full(c)
   # The fused backward's dq per kv block grows as T^2 (block_sizes): in 16 query chunks each
   # call holds 1/16 of it (about 4 GiB per device instead of 64).
