@@ -182,7 +182,6 @@ def _latent_flash_fwd(q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, scale, 
 
 def _latent_flash_bwd(scale, nope_dim, chunk, block_q, block_kv, residuals, d_out):
   q, lat, kv_b, q_seg, q_pos, kv_seg, kv_pos, pairs, out, lse = residuals
-  d_out, q_seg, q_pos, kv_seg, kv_pos, pairs = tied_to(d_out, q_seg, q_pos, kv_seg, kv_pos, pairs)
   l_dim = kv_b.shape[0]
   d_out = jnp.where((q_seg != 0)[:, :, None, None], d_out, 0).astype(q.dtype)
   # delta_i = <dO_i, O_i>: the softmax-backward correction per row.
