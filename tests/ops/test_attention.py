@@ -12,7 +12,6 @@ it is only compiled (AOT, marked tpu_aot), never run.
 """
 import importlib.util
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from c2.parallel.sharding import with_shardings
 from c2.ops import attention as attn
 from c2.ops import splash_attention as sa
 from c2.ops.blockwise_attention import blockwise_attention
+from tests.hlo_arrays import largest_arrays
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only TPU clients may coexist
@@ -291,9 +291,9 @@ def test_splash_at_32k_tokens_needs_o_of_t_memory(fused, chunks):
 
 def test_blockwise_under_a_layer_scan_keeps_its_memory_per_tile():
   """As the model runs it, under a scan over layers: the gradient's compiled program holds
-  nothing larger than the layers' stacked [B, T, H, K] residuals. Without `tied_to` (blockwise_attention.py) JAX's
-  scan partial evaluation hoisted every tile's mask out of the layer loop, stacked as [query
-  blocks, key blocks, B, H, Q, C]: the [T, T] scores."""
+  nothing larger than the layers' stacked [B, T, H, K] residuals. Without `tied_to`
+  (blockwise_attention.py) JAX's scan partial evaluation hoisted every tile's mask out of the
+  layer loop, stacked as [query blocks, key blocks, B, H, Q, C]: the [T, T] scores."""
   b, t, h, k = 1, 1024, 2, 16
   seg = jnp.ones((b, t), jnp.int32)
 
@@ -306,6 +306,5 @@ def test_blockwise_under_a_layer_scan_keeps_its_memory_per_tile():
 
   shape = jax.ShapeDtypeStruct((b, t, h, k), jnp.float32)
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile().as_text()
-  sizes = sorted({(int(np.prod([int(d) for d in dims.split(",") if d])), f"{kind}[{dims}]")
-                  for kind, dims in re.findall(r"(f32|pred)\[([\d,]*)\]", hlo)}, reverse=True)
-  assert sizes[0][0] <= 2 * b * t * h * k, f"largest arrays {sizes[:3]}"  # 2 layers
+  largest = largest_arrays(hlo)
+  assert largest[0][0] <= 2 * b * t * h * k, f"largest arrays {largest[:3]}"  # 2 layers

@@ -17,6 +17,7 @@ from c2.data import zigzag
 from c2.ops import context_attention as ca
 from c2.ops.attention import attention
 from c2.parallel.mesh import make_mesh
+from tests.hlo_arrays import largest_arrays
 from tests.packed_rows import packed_rows
 
 B, T, H, N, R, J, L = 2, 64, 4, 8, 4, 8, 16
@@ -159,13 +160,6 @@ def test_latent_path_never_holds_whole_row_scores_or_kv():
   assert "all-gather" in hlo and "reduce-scatter" in hlo  # the gather and its transpose
 
 
-def _largest_arrays(hlo: str) -> list[tuple[int, str]]:
-  """(elements, shape) of the compiled program's float32 and bool arrays, largest first."""
-  found = {(int(np.prod([int(d) for d in dims.split(",") if d])), f"{kind}[{dims}]")
-           for kind, dims in re.findall(r"(f32|pred)\[([\d,]*)\]", hlo)}
-  return sorted(found, reverse=True)
-
-
 def test_latent_path_under_a_layer_scan_keeps_its_memory_per_tile():
   """The gradient through a scan over layers (as the model runs it) holds no stack of per-tile
   masks or scores: the segment ids and positions are the same in every layer, and without
@@ -189,5 +183,5 @@ def test_latent_path_under_a_layer_scan_keeps_its_memory_per_tile():
           jax.ShapeDtypeStruct((L, h, N + J), jnp.float32))
   with jax.set_mesh(mesh):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-  largest = _largest_arrays(hlo)
+  largest = largest_arrays(hlo)
   assert largest[0][0] <= B * t * h * (N + R), f"largest arrays {largest[:3]}"
