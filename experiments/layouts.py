@@ -42,7 +42,9 @@ def full(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   dq and dkv, c2.ops.splash_attention.block_sizes): 60.7 GiB, FLOP ratio 1.456 (2026-12-04);
   the grouped matmuls computing group-boundary tiles by 128-row slabs (pallas_kernels/
   gmm_kernel.py): 60.7 GiB, 1.385; the fused backward in 4 query chunks: 56.2 GiB, 1.385 (on
-  tpu7x:8x16x16 71.1 of 96 GiB, 1.409; 2 x v5p:16x16x8 78.4 GiB, 1.385; 2026-12-06)."""
+  tpu7x:8x16x16 71.1 of 96 GiB, 1.409; 2 x v5p:16x16x8 78.4 GiB, 1.385; 2026-12-06); splash
+  given the 192-wide heads unpadded (c2/ops/splash_attention.py, 2026-12-06): 56.3 GiB, FLOP
+  ratio 1.281 (1.385 with its matmuls recounted at 256-wide heads)."""
   c.model.preset = "kimi-k2.5"
   # Fused splash backward in 4 query chunks: its dq partials then cost about what the separate
   # kernels' second score pass saved in memory, on every topology measured (README).
@@ -62,7 +64,9 @@ def proxy_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   kernels (2026-12-04) 60.1 of 95 GiB per device, FLOP ratio 1.788 (splash 91% of the FLOPs),
   613 GiB of collectives per device per step, compile 428 s at 17.3 GB of host memory; fused in
   16 query chunks, with boundary slabs in the grouped matmuls (2026-12-06) 64.6 GiB (68%),
-  FLOP ratio 1.435 (splash 90%), 615 GiB."""
+  FLOP ratio 1.435 (splash 90%), 615 GiB; with splash's heads unpadded (192, 2026-12-06)
+  64.2 GiB (68%), FLOP ratio 1.202 (1.436 recounted at 256-wide heads), 615 GiB, compile 649 s
+  at 19.6 GB of host memory."""
   proxy(c)
   # The fused backward's dq per kv block grows as T^2 (block_sizes): in 16 query chunks each
   # call holds 1/16 of it.
@@ -79,10 +83,13 @@ def full_256k(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   separate backward kernels (2026-12-04) 59.3 of 95 GiB per device, FLOP ratio 1.801 (splash
   87% of the FLOPs), 1,242 GiB of collectives per device per step, compile 472 s at 17.1 GB of
   host memory; fused in 16 query chunks and with boundary slabs in the grouped matmuls
-  (2026-12-06) 71.7 GiB (75%), FLOP ratio 1.447 (splash 85%), 1,245 GiB, compile 556 s. The
-  latent all-gather path (--config.model.context_parallel=latent_all_gather) with its masks tied
-  per layer (2026-12-06): 58.2 GiB (61%), FLOP ratio 1.345 (over unpadded XLA dots), 1,156 GiB,
-  compile 199 s; not the default until timed (README). Tune here."""
+  (2026-12-06) 71.7 GiB (75%), FLOP ratio 1.447 (splash 85%), 1,245 GiB, compile 556 s; with
+  splash's heads unpadded (192, 2026-12-06) 71.7 GiB, FLOP ratio 1.224 (1.447 recounted at
+  256-wide heads), 1,245 GiB, compile 641 s at 19.4 GB of host memory. The latent all-gather
+  path (--config.model.context_parallel=latent_all_gather) with its masks tied per layer
+  (2026-12-06): 58.2 GiB (61%), FLOP ratio 1.345 (its XLA dots also at K = 192), 1,156 GiB,
+  compile 199 s: less HBM and 7% fewer collective bytes, but 10% more FLOPs and its tiles
+  through HBM; not the default (README). Tune here."""
   full(c)
   # The fused backward's dq per kv block grows as T^2 (block_sizes): in 16 query chunks each
   # call holds 1/16 of it (about 4 GiB per device instead of 64).

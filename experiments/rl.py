@@ -98,7 +98,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh.update(fsdp=-1, expert=8, context=8)
     # Splash's fused backward holds dq per kv block (T^2 / block_kv): at 64k rows in one call
     # the step needs 98.0 of 95 GiB (measured 2026-12-04); in 4 query chunks 64.0 GiB, FLOP
-    # ratio 1.399 against 63.8 GiB and 1.72 with the separate kernels (2026-12-06, README).
+    # ratio 1.399 against 63.8 GiB and 1.72 with the separate kernels (2026-12-06, README);
+    # with splash's heads unpadded 63.8 GiB, FLOP ratio 1.252 (2026-12-06).
     c.model.update(splash_fused_backward=True, splash_query_chunks=4)
     c.rl.update(group_size=16, groups_per_step=64, max_staleness=2, env_workers=4096,
                 engines=64, engine_slots=512, draft_depth=2, max_new_tokens=16384,

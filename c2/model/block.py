@@ -101,8 +101,9 @@ def remat_policy(name: str):
   attention kernel and the all-to-all.
   offload_experts: save_attention, and also keep the routed experts' gate and up projections
   ([M, F] each, per dispatched row), in host memory: the backward reruns only their down
-  projection. Full kimi-k2.5 at 32k on v5p (README): FLOP ratio 1.385 -> 1.295 (1.456 ->
-  1.354 before the grouped matmuls' boundary slabs), 63.4 GiB with layouts.full's query chunks
+  projection. Full kimi-k2.5 at 32k on v5p (README), with splash's heads padded to 256 as
+  before 2026-12-06: FLOP ratio 1.385 -> 1.295 (1.456 -> 1.354 before the grouped matmuls'
+  boundary slabs), 63.4 GiB with layouts.full's query chunks
   (74.0 in one splash call), ~60 GB of host memory per device (with the down projection too,
   XLA asked 165 GB, over its 128 GB)."""
   policies = jax.checkpoint_policies

@@ -9,13 +9,15 @@ block_sizes). This wrapper adapts it:
 
   - the softmax scale (MLA folds YaRN's mscale^2 into it) is multiplied into q: the kernel has
     no scale argument;
-  - q/k and v head dims are zero-padded to a multiple of 128 lanes (K 192 -> 256, J 128 stays;
-    tiny preset 48 -> 128, 32 -> 128). Zero columns add nothing to q.k, and padded output
-    columns are sliced off. TPU HBM tiles the minor dim to 128 lanes anyway, and a 128-wide
-    MXU contracts K = 192 in two passes as it does 256, so the padding costs the pad copy fused
-    into the [B, T, H, K] -> [B, H, T, K] transpose, not MXU time. Unpadded 192 also compiles
-    (HEAD_DIM_MULTIPLE = 64): on the full 32k step the same HBM (55.87 GiB) and a counted FLOP
-    ratio of 1.482 instead of 1.612, but that drop is counting, not MXU passes: kept padded;
+  - q/k and v head dims are zero-padded only to a multiple of 64 (K 192 and J 128 stay; tiny
+    preset 48 -> 64, 32 -> 64): Mosaic takes a block whose minor dim is the array's whole dim,
+    and 192 compiles for v5p and tpu7x (AOT). Padding 192 -> 256, as before 2026-12-06, made
+    an extra [B, H, T, 256] copy of q and k and computed 4 of the 7 score-sized matmuls over
+    256 columns. What unpadding buys on a chip is between two bounds: q.k^T (forward and the
+    backward's recompute) contracts over K, which a 128-wide MXU takes in two passes for 192 as
+    for 256, so those two save no MXU time; dq = ds.k and dk = ds^T.q have K as an output
+    dimension, which costs no padding when it is the streamed side. The FLOP ratio counts the
+    dims the kernel gets (192); the README gives the padded count beside it;
   - T is padded to a multiple of the blocks with segment id 0 and sliced back;
   - it runs per device inside `jax.shard_map` with batch and heads manual (logical axes
     `batch` and `kernel_heads`, so the rules table decides the mesh axes) and vmaps the kernel
@@ -53,7 +55,7 @@ from c2.perf import hardware, hlo_flops
 
 LANES = 128
 KERNEL_OUTPUTS = "attention_kernel_outputs"  # checkpoint name of what the forward kernel made
-HEAD_DIM_MULTIPLE = LANES  # q/k and v head dims are zero-padded to a multiple of this
+HEAD_DIM_MULTIPLE = 64  # q/k and v head dims are zero-padded to a multiple of this
 
 # Block sizes per TPU generation: rows (max_len, block_q, block_kv, block_kv_compute); the first
 # row with T <= max_len wins (None: any length). The backward kernels
@@ -78,7 +80,7 @@ def block_sizes(seq_len: int, generation: Optional[str] = None,
   Hence a per-layout choice (ModelConfig.splash_fused_backward), and query chunks
   (splash_attention's `query_chunks`, ModelConfig.splash_query_chunks) that divide the partials:
   the full 256k step fused in 16 chunks, 71.7 GiB and FLOP ratio 1.447 against 59.3 GiB and
-  1.801 with separate kernels (AOT, v5p:16x16x16, 2026-12-06).
+  1.801 with separate kernels (AOT, v5p:16x16x16, 2026-12-06, heads padded to 256).
   """
   rows = SPLASH_BLOCKS.get(generation or "default", SPLASH_BLOCKS["default"])
   _, block_q, block_kv, compute = next(r for r in rows if r[0] is None or seq_len <= r[0])
@@ -280,6 +282,32 @@ def splash_kernel_flops(kernel: str, operand_shapes: list, attrs: str,
                                    block("block_kv", default.block_kv), kv_len=seq_kv)
   pairs = math.prod(q[:-1]) * seq_kv * fraction  # (query, key) score entries computed
   return 2.0 * pairs * (qk_units * q[-1] + pv_units * v[-1])
+
+
+def flops_at_lane_heads(flops_by_kind: dict, qk_dim: int, v_dim: int,
+                        fused_backward: bool) -> float:
+  """Compiled FLOPs with every splash kernel recounted at head dims rounded up to 128 lanes.
+
+  flops_by_kind as hlo_flops.count_flops returns it (splash counted at the K and J it was given:
+  the model's, padded to HEAD_DIM_MULTIPLE). Splash's matmuls are linear in K and J per kernel
+  (the units table above), so each kernel's count scales by (qk K' + pv J') / (qk K + pv J).
+  With K = 192 this is the upper bound on what unpadded heads cost in MXU time (module
+  docstring); the full 32k step recounted this way gives 1.385, what it measured compiled with
+  the heads padded to 256.
+  """
+  given = lambda d: round_up(d, HEAD_DIM_MULTIPLE)
+  qk_dim, v_dim, lanes = given(qk_dim), given(v_dim), lambda d: round_up(d, LANES)
+  total = 0.0
+  for kind, value in flops_by_kind.items():
+    name = kind.removeprefix("kernel ")
+    units = next((u for k, u in _SPLASH_MATMULS.items() if name.startswith(k)), None)
+    if units is None:
+      total += value
+      continue
+    qk_units, pv_units = units[0] + (fused_backward and name.startswith("splash_mha_dkv")), units[1]
+    total += value * ((qk_units * lanes(qk_dim) + pv_units * lanes(v_dim))
+                      / (qk_units * qk_dim + pv_units * v_dim))
+  return total
 
 
 hlo_flops.register_kernel_rule(

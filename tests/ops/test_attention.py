@@ -281,12 +281,16 @@ def test_splash_at_32k_tokens_needs_o_of_t_memory(fused, chunks):
   print(f"splash at 32k, fused backward {fused}, {chunks} query chunks: temporaries "
         f"{temporaries / 2**20:.1f} MiB")
   assert temporaries < ((256 + 512 // chunks) << 20 if fused else 256 << 20)  # dense: 4 GiB
-  # The chunks compute the same score blocks as one call: each 128-wide (padded) matmul over
-  # the causal blocks, forward 2, backward 5 fused or 4 + 3 separate.
+  # The chunks compute the same score blocks as one call: each matmul over the causal blocks
+  # at the head dims padded to 64 (48 and 32 -> 64), forward 2, backward 5 fused or 4 + 3
+  # separate.
   from c2.perf import hlo_flops  # pylint: disable=import-outside-toplevel
   pairs = t * t * sa.causal_block_fraction(t, blocks.block_q, blocks.block_kv)  # one head
-  assert hlo_flops.count_flops(compiled.as_text()).total == 2 * pairs * 128 * (
-      2 + (5 if fused else 7))
+  counted = hlo_flops.count_flops(compiled.as_text())
+  assert counted.total == 2 * pairs * 64 * (2 + (5 if fused else 7))
+  # Recounted at 128-lane head dims (the MXU-time upper bound the AOT report prints): twice.
+  assert sa.flops_at_lane_heads(counted.by_kind, 48, 32, fused) == pytest.approx(
+      2 * pairs * 128 * (2 + (5 if fused else 7)), rel=1e-12)
 
 
 def test_blockwise_under_a_layer_scan_keeps_its_memory_per_tile():
@@ -308,3 +312,16 @@ def test_blockwise_under_a_layer_scan_keeps_its_memory_per_tile():
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile().as_text()
   largest = largest_arrays(hlo)
   assert largest[0][0] <= 2 * b * t * h * k, f"largest arrays {largest[:3]}"  # 2 layers
+
+
+def test_flops_at_lane_heads_recounts_only_the_splash_kernels():
+  """Kimi's heads, K = 192 and J = 128, recounted at 256 and 128: the forward's q.k^T and p.v
+  (1, 1 units) scale by 384 / 320, the fused backward's (3, 2) by 1024 / 832, the separate dkv
+  kernel's (2, 2) by 768 / 640; XLA dots and other kernels stay."""
+  by_kind = {"xla dot/convolution": 10.0, "kernel gmm_bf16": 5.0,
+             "kernel splash_mha_fwd_segmented_residuals": 320.0,
+             "kernel splash_mha_dkv_segmented_no_residuals": 832.0}
+  assert sa.flops_at_lane_heads(by_kind, 192, 128, True) == pytest.approx(10 + 5 + 384 + 1024)
+  assert sa.flops_at_lane_heads(by_kind, 192, 128, False) == pytest.approx(
+      10 + 5 + 384 + 832 * 768 / 640)
+  assert sa.flops_at_lane_heads(by_kind, 256, 128, True) == pytest.approx(sum(by_kind.values()))

@@ -60,10 +60,11 @@ def test_mesh_larger_than_topology_is_a_config_error():
 def test_proxy_pretraining_fits_small_v5p_with_honest_flops():
   """The ~30B-A3B proxy at 4k tokens on 16 v5p chips: fits, and the compiled matmul FLOPs
   (c2.perf.hlo_flops) are within [1.0, 1.1] of the analytic useful FLOPs (6 x active params x tokens
-  + attention). Measured: 76.9 GiB of 95, ratio 1.048 with splash's fused backward (layouts.proxy)
-  and the grouped matmuls' boundary slabs (2026-12-06; 1.13 with whole boundary tiles, 1.17 with
-  separate dq / dkv kernels): splash's causal blocks and 192->256 head padding, the MTP layer
-  and capacity-buffer slabs make up the excess."""
+  + attention). Measured: 77.3 GiB of 95, ratio 1.019 with splash's fused backward (layouts.proxy),
+  the grouped matmuls' boundary slabs and splash's heads unpadded (2026-12-06; with the heads
+  padded 192 -> 256: 76.9 GiB, 1.048; 1.13 with whole boundary tiles, 1.17 with separate dq /
+  dkv kernels): splash's causal blocks, the MTP layer and capacity-buffer slabs make up the
+  excess."""
   exp = _experiment("experiments/pretrain.py:proxy", **{
       "data.seq_len": 4096, "data.global_batch_size": 16, "mesh.expert": 8, "mesh.fsdp": 2,
       "model.remat_policy": "save_dots"})
@@ -123,14 +124,15 @@ print("REPORT " + json.dumps({**dataclasses.asdict(report), "flop_ratio": report
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # 17 GB of host memory: .ci/run runs it by itself after the slow suite
+@pytest.mark.alone  # ~20 GB of host memory: .ci/run runs it by itself after the slow suite
 def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
   """experiments/extend_256k.py:proxy as launched: the ~30B-A3B proxy, 8 rows of 262,144 tokens
   on 64 v5p chips (expert 8 x context 8, each row over 8 context shards, Ulysses into splash at
-  the full row, its fused backward in 16 query chunks). Measured 2026-12-06: 64.6 of 95 GiB per
-  device, FLOP ratio 1.435 (splash 90%), 615 GiB of collectives per device per step; compile
-  765 s beside a test run (with separate backward kernels, 2026-12-04: 60.1 GiB, 1.788, 428 s
-  alone, 886 s beside other work) at ~17 GB of host memory. Beside an xdist worker that had
+  the full row, its fused backward in 16 query chunks, the heads unpadded). Measured
+  2026-12-06: 64.2 of 95 GiB per device, FLOP ratio 1.202 (splash 88%), 615 GiB of collectives
+  per device per step; compile 649 s alone at 19.6 GB of host memory (heads padded to 256:
+  64.6 GiB, 1.435; with separate backward kernels, 2026-12-04: 60.1 GiB, 1.788, 428 s alone, 886
+  s beside other work, ~17 GB). Beside an xdist worker that had
   compiled other TPU programs it was OOM-killed on the 24 GiB CI machine, so it is marked
   `alone` (.ci/run runs it on its own) and compiles in a subprocess whose memory returns to the
   OS at its end."""
@@ -148,7 +150,8 @@ def test_proxy_long_context_step_at_256k_tokens_fits_v5p_64():
   assert report["total_bytes"] <= 0.9 * report["hbm_bytes"], report["total_bytes"] / 2**30
   # The loops' trip counts and every kernel's FLOPs are known, so the ratio counts everything.
   assert not report["unknown_trip_count_loops"] and not report["uncounted_kernels"]
-  assert 1.0 <= report["flop_ratio"] <= 1.5, report["flop_ratio"]  # measured 1.435
+  # The issue's bar: compiled / useful FLOPs <= 1.30 (measured 1.202; 1.435 with 256-wide heads).
+  assert 1.0 <= report["flop_ratio"] <= 1.30, report["flop_ratio"]
   assert report["collectives"]["all-to-all"] > 0  # sequence shards swapped for head shards
 
 
