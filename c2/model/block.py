@@ -105,7 +105,11 @@ def remat_policy(name: str):
   before 2026-12-06: FLOP ratio 1.385 -> 1.295 (1.456 -> 1.354 before the grouped matmuls'
   boundary slabs), 63.4 GiB with layouts.full's query chunks
   (74.0 in one splash call), ~60 GB of host memory per device (with the down projection too,
-  XLA asked 165 GB, over its 128 GB)."""
+  XLA asked 165 GB, over its 128 GB).
+  save_experts: offload_experts with the gate and up outputs kept in HBM, for layouts with
+  fewer tokens per device. Full kimi-k2.5, 512 rows of 32k at context 8 (fsdp 32; half of
+  layouts.full's batch): 74.2 GiB (78%), FLOP ratio 1.211 (1.315 with splash at 128-lane heads);
+  1,024 rows would need gradient accumulation, which the step does not have."""
   policies = jax.checkpoint_policies
   save_attention = policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS)
   return {
@@ -116,6 +120,8 @@ def remat_policy(name: str):
           names_which_can_be_saved=[splash_attention.KERNEL_OUTPUTS],
           names_which_can_be_offloaded=[dispatch.EXPERT_GATE_UP],
           offload_src="device", offload_dst="pinned_host"),
+      "save_experts": policies.save_only_these_names(splash_attention.KERNEL_OUTPUTS,
+                                                     dispatch.EXPERT_GATE_UP),
       "save_dots": policies.save_from_both_policies(
           policies.dots_with_no_batch_dims_saveable,
           policies.save_only_these_names(dispatch.DISPATCHED_ROWS, dispatch.EXPERT_GATE_UP,

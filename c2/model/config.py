@@ -41,7 +41,7 @@ GMM_IMPLS = ("auto", "ragged_dot", "dense", "pallas")
 GMM_FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
 A2A_IMPLS = ("auto", "ragged", "padded", "ragged_emulated")
 REMAT_POLICIES = ("none", "full", "save_attention", "save_wide_dots", "save_dots",
-                  "offload_experts")  # block.py
+                  "offload_experts", "save_experts")  # block.py
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash")  # see c2.ops.attention
 CONTEXT_PARALLEL = ("latent_all_gather", "ulysses")  # see c2.ops.context_attention
 SEQUENCE_LAYOUTS = ("natural", "zigzag")  # see c2.data.zigzag
