@@ -12,12 +12,13 @@ block_sizes). This wrapper adapts it:
   - q/k and v head dims are zero-padded only to a multiple of 64 (K 192 and J 128 stay; tiny
     preset 48 -> 64, 32 -> 64): Mosaic takes a block whose minor dim is the array's whole dim,
     and 192 compiles for v5p and tpu7x (AOT). Padding 192 -> 256, as before 2026-12-06, made
-    an extra [B, H, T, 256] copy of q and k and computed 4 of the 7 score-sized matmuls over
-    256 columns. What unpadding buys on a chip is between two bounds: q.k^T (forward and the
-    backward's recompute) contracts over K, which a 128-wide MXU takes in two passes for 192 as
-    for 256, so those two save no MXU time; dq = ds.k and dk = ds^T.q have K as an output
-    dimension, which costs no padding when it is the streamed side. The FLOP ratio counts the
-    dims the kernel gets (192); the README gives the padded count beside it;
+    the kernel-layout copies of q and k (and dq, dk) a third wider and computed 4 of the 7
+    score-sized matmuls over 256 columns. What unpadding buys on a chip is between two bounds:
+    q.k^T (forward and the backward's recompute) contracts over K, which a 128-wide MXU takes
+    in two passes for 192 as for 256, so those two save no MXU time; dq = ds.k and dk = ds^T.q
+    have K as an output dimension, which costs no padding when it is the streamed side. The
+    FLOP ratio counts the dims the kernel gets (192); c2.aot prints beside it the count at
+    128-lane dims (`flops_at_lane_heads`), the upper bound;
   - T is padded to a multiple of the blocks with segment id 0 and sliced back;
   - it runs per device inside `jax.shard_map` with batch and heads manual (logical axes
     `batch` and `kernel_heads`, so the rules table decides the mesh axes) and vmaps the kernel
