@@ -104,7 +104,7 @@ def test_auto_and_validation():
 @pytest.mark.parametrize("fused", [False, True], ids=["dq_and_dkv_kernels", "fused_backward"])
 def test_splash_interpret_on_mesh_matches_reference(fused):
   """The kernel in the Pallas interpreter, inside shard_map on the fake 8-device CPU mesh
-  (batch over fsdp, heads over tensor); T = 200 pads to 256, K 48 -> 128, J 32 -> 128."""
+  (batch over fsdp, heads over tensor); T = 200 pads to 256, K 48 -> 64, J 32 -> 64."""
   q, k, v, seg, ct = _inputs(4, 200, 2, 48, 32, [([1, 2, 0], [90, 100, 10]), ([5], [200]),
                                                    ([1, 0], [30, 170]), ([7, 8], [1, 199])])
   blocks = sa.block_sizes(200, fused_backward=fused)
