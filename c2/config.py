@@ -91,6 +91,9 @@ class TrainConfig:
   eval_batches: int = 8
   seed: int = 0
   ce_chunk_size: int = 2048  # tokens per vocabulary-projection chunk of the loss
+  # Project only the tokens the loss weighs (chunks holding none are skipped): faster where most
+  # of a row is context (tool-use SFT, RL); gathers over the token axis, so not on a sharded mesh.
+  ce_weighted_only: bool = False
   z_loss_weight: float = 0.0
   mtp_weight: float = 0.3
   mtp_loss: str = "distill"  # distill (KL to the main head) | ce | distill+ce

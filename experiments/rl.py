@@ -90,6 +90,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # rollouts/s); sampler vs learner log-prob mismatch mean 0.002 vs 0.001, p99 0.045 vs 0.036.
     c.rl.engine_dtype = "float32"
     c.rl.update(kl_coef=0.05, eval_samples=4, eval_every=30, drop_uniform_groups="reward")
+    c.train.ce_weighted_only = True  # the head projects only the sampled tokens
   elif variant == "full":
     layouts.full(c)
     # Rollout contexts up to 64k tokens, packed 2 rows x 32k per (fsdp, expert) shard pair; the

@@ -40,30 +40,42 @@ class RLLossWeights:
   kl_placement: str = "reward"  # reward | loss | none
   is_cap: Optional[float] = None  # truncated importance weights pi_train / pi_sampler
   replay_fallback: Any = "rank"  # c2.model.router.replay_threshold rule ("off": verbatim replay)
+  weighted_only: bool = False  # project only the model tokens (token_logprobs' `active`)
 
 
 def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array,
-                   chunk_size: int) -> jax.Array:
+                   chunk_size: int, active: Optional[jax.Array] = None) -> jax.Array:
   """log softmax(hidden @ W)[target] for hidden [N, D], targets [N] -> float32 [N], differentiable.
 
   Over token chunks under jax.checkpoint: the [N, V] logits never exist at once, and the backward
-  pass recomputes one chunk's logits at a time (V = 163,840 at full scale)."""
+  pass recomputes one chunk's logits at a time (V = 163,840 at full scale). With `active` [N]
+  bool, only the active tokens are projected (gathered to the front, chunks without one skipped;
+  head_lib's `weighted_only`) and the others get 0."""
   n = hidden.shape[0]
   chunk = min(chunk_size, n)
   num_chunks = -(-n // chunk)
-  # Strided chunks (chunk j holds tokens j, j + C, ...), as the LM head loss does: a batch sharded
-  # in contiguous blocks of tokens stays sharded on each chunk's token axis, so every device
-  # works on every chunk and nothing is gathered.
-  h = head_lib.strided_chunks(hidden, chunk, num_chunks)  # [C, n, D]
-  t = head_lib.strided_chunks(targets.astype(jnp.int32), chunk, num_chunks)  # [C, n]
+  if active is None:
+    # Strided chunks (chunk j holds tokens j, j + C, ...), as the LM head loss does: a batch
+    # sharded in contiguous blocks of tokens stays sharded on each chunk's token axis, so every
+    # device works on every chunk and nothing is gathered.
+    h = head_lib.strided_chunks(hidden, chunk, num_chunks)  # [C, n, D]
+    t = head_lib.strided_chunks(targets.astype(jnp.int32), chunk, num_chunks)  # [C, n]
+  else:
+    order, count = head_lib.weighted_first(active)
+    h, t = (head_lib.contiguous_chunks(jnp.take(x, order, axis=0), chunk, num_chunks)
+            for x in (hidden, targets.astype(jnp.int32)))
+    runs = jnp.arange(num_chunks) * chunk < count  # [C]: chunks holding an active token
 
-  @jax.checkpoint
-  def one(args):
-    h_c, t_c = args
+  def logp(h_c, t_c):
     logits = jnp.einsum("nD,DV->nV", h_c.astype(jnp.float32), head_kernel.astype(jnp.float32))
     return jnp.take_along_axis(jax.nn.log_softmax(logits), t_c[:, None], axis=-1)[:, 0]
 
-  return head_lib.unchunk(jax.lax.map(one, (h, t)), n)
+  if active is None:
+    return head_lib.unchunk(jax.lax.map(jax.checkpoint(lambda a: logp(*a)), (h, t)), n)
+  skipped = lambda h_c, t_c: jnp.zeros(t_c.shape, jnp.float32)
+  one = jax.checkpoint(lambda a: jax.lax.cond(a[0], logp, skipped, a[1], a[2]))
+  logp_all = head_lib.scatter_back(jax.lax.map(one, (runs, h, t)).reshape(-1)[:n], order)
+  return jnp.where(active, logp_all, 0.0)  # the last chunk run may hold inactive tokens
 
 
 def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights):
@@ -75,7 +87,8 @@ def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLos
   targets, mask = targets_lib.next_token_targets(tokens, segments, batch["loss_mask"], offset=1)
   b, t = tokens.shape
   logp = token_logprobs(out["hidden"].reshape(b * t, -1), model_lib.head_kernel(cfg, params),
-                        targets.reshape(-1), weights.chunk_size).reshape(b, t)
+                        targets.reshape(-1), weights.chunk_size,
+                        mask.reshape(-1) > 0 if weights.weighted_only else None).reshape(b, t)
   return out, logp, mask
 
 

@@ -21,6 +21,7 @@ would overflow are dropped and counted in the `moe/dropped_fraction` metric.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -38,6 +39,14 @@ GroupedMatmul = Callable[..., jax.Array]
 # projections' [M, F] apart from the down projection's [M, D], to save one without the other.
 DISPATCHED_ROWS = "moe_dispatched_rows"
 EXPERT_GATE_UP, EXPERT_DOWN = "moe_expert_gate_up", "moe_expert_down"
+# Capacities (multiples of the balanced load N * K / E, besides N) the padded-groups path picks
+# from. Each is a branch compiled into the program: calls of up to FINE_STEPS_ABOVE tokens
+# (decoding, prefill chunks, the CPU tests' steps) take two, larger ones (training batches)
+# the finer steps, which made the tiny model's SFT step 1.16x faster but its compile slower
+# (a CPU test's train step: 38 -> 48 s).
+CAPACITY_STEPS = (1.0, 2.0)
+FINE_CAPACITY_STEPS = (1.0, 1.25, 1.5, 2.0, 3.0)
+FINE_STEPS_ABOVE = 1024
 
 
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -74,20 +83,29 @@ def local_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: j
 
 def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                     w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """Every token through every expert, mixed by a dense [N, E] weight matrix (zero if unchosen).
-
-  Same result as `local_ffn` (dropless by construction) at E/K times the expert FLOPs but as
-  three batched matmuls with no sort or scatter: the fastest path for small E on CPU, where
-  `ragged_dot` has no fast kernel (`python -m c2.bench moe` measures the choice). A handful of
-  tokens (batch-1 decoding) runs through its chosen experts only instead, and decode batches and
-  prefill chunks (16 to 1,024 tokens) through per-expert groups padded to the largest group.
+  """Routed experts without a sort or a grouped matmul (`gmm_impl="dense"`, what "auto" picks on
+  CPU, where `ragged_dot` has no fast kernel): batched matmuls over the experts, dropless, in the
+  form fastest for the number of tokens (`python -m c2.bench moe` measures the choice):
+    N * K <= E / 2   each token through its own K experts (batch-1 decoding, a 2-token verify)
+    N >= 16          per expert over its tokens, padded to a capacity that holds the largest group
+                     (decode batches, prefill chunks, training batches)
+    otherwise        every token through every expert, mixed by a dense [N, E] weight matrix
   """
   num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
   if 2 * n * k <= num_experts:
     return _chosen_experts_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
-  if 16 <= n <= 1024:
+  if n >= 16:
     return _capacity_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
+  return every_expert_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
+
+
+def every_expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                     w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """Every token through every expert, mixed by a dense [N, E] weight matrix (zero if unchosen):
+  the same result as `local_ffn` at E/K times the expert FLOPs, as three batched matmuls."""
+  num_experts = w_gate.shape[0]
+  n = expert_ids.shape[0]
   mix = jnp.einsum("NK,NKE->NE", weights,
                    jax.nn.one_hot(expert_ids, num_experts, dtype=weights.dtype))  # [N, E]
   d = x.shape[-1]
@@ -108,38 +126,70 @@ def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_g
 def _capacity_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                   w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   """Each expert on its own tokens, padded to a capacity C that holds the largest group: still
-  dropless, with C the smallest of N * K / E, 2 N * K / E and N (rounded up) that fits, picked
-  per call by a lax.switch (the loads are only known on the device). Balanced routing lands in
-  the middle one: half the FLOPs of every token through every expert. Measured per tiny MoE
-  layer on CPU inside a decode loop (a scan): 180 vs 279 us at N = 16 (largest group 6, C = 8),
-  1,184 vs 1,782 at N = 128 (a prefill chunk); no gain at N = 8, hence the lower bound."""
-  num_experts, d = w_gate.shape[0], x.shape[-1]
+  dropless, with C the smallest of the capacity steps (CAPACITY_STEPS, or FINE_CAPACITY_STEPS
+  above FINE_STEPS_ABOVE tokens) x the balanced load N * K / E (rounded up) and N that fits, picked per call by a lax.switch (the loads are only known on the device).
+  Measured per tiny MoE layer on CPU inside a decode loop (a scan), with capacities of 1x and 2x
+  the balanced load and N: 180 vs 279 us for every token through every expert at N = 16
+  (largest group 6, C = 8), 1,184 vs 1,782 at N = 128 (a prefill chunk); no gain at N = 8, hence
+  the lower bound. Forward + backward in bfloat16 (skewed routes, largest group ~0.35 N), alone:
+  38.6 vs 75.2 ms at N = 1,536 (a copy-drill batch), 211 vs 427 at 9,216 (a tool-use SFT batch),
+  385 vs 791 at 16,384. In the tiny model's whole training step the finer steps (1.25x, 1.5x,
+  3x) matter: its trained routers' largest groups were 1.2x, 1.7x and 2.5x the balanced load."""
+  num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
   flat = expert_ids.reshape(-1)  # [N * K] token-major choices
   loads = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)  # [E]
   order = jnp.argsort(flat, stable=True)  # choices grouped by expert
   expert_of = flat[order]
   rank = jnp.arange(n * k) - (jnp.cumsum(loads) - loads)[expert_of]  # place in its group
-  padded_x = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # row N: the padding's zeros
-  capacities = sorted({min(n, -(-m * n * k // num_experts)) for m in (1, 2)} | {n})
-
-  def run(capacity: int):
-    def branch():
-      # [E, C] token of each (expert, place), N where the group is shorter; its combine weight.
-      token = jnp.full((num_experts, capacity), n, jnp.int32).at[expert_of, rank].set(order // k)
-      mix = jnp.zeros((num_experts, capacity), weights.dtype).at[expert_of, rank].set(
-          weights.reshape(-1)[order])
-      xs = padded_x[token]  # [E, C, D]
-      g = jnp.einsum("ECD,EDF->ECF", xs, w_gate)
-      u = jnp.einsum("ECD,EDF->ECF", xs, w_up)
-      y = jnp.einsum("ECF,EFD->ECD", jax.nn.silu(g) * u, w_down)
-      # Rounded as all_experts_ffn rounds its mix (to the experts' dtype), summed in float32.
-      y = y.astype(jnp.float32) * mix.astype(y.dtype).astype(jnp.float32)[..., None]
-      return jnp.zeros((n + 1, d), jnp.float32).at[token.reshape(-1)].add(y.reshape(-1, d))[:n]
-    return branch
-
+  balanced = n * k / num_experts
+  steps = FINE_CAPACITY_STEPS if n > FINE_STEPS_ABOVE else CAPACITY_STEPS
+  capacities = sorted({min(n, math.ceil(m * balanced)) for m in steps} | {n})
   index = jnp.sum(jnp.asarray(capacities[:-1]) < jnp.max(loads))
-  return jax.lax.switch(index, [run(c) for c in capacities])
+  return _switch_with_local_vjp(index, [functools.partial(_padded_groups_ffn, c)
+                                        for c in capacities],
+                                (x, weights, w_gate, w_up, w_down), (order, expert_of, rank))
+
+
+def _padded_groups_ffn(capacity, x, weights, w_gate, w_up, w_down, order, expert_of, rank):
+  """The experts over [E, capacity] rows, each expert's token-choices first (rank < load) and
+  the rest pointing at a zero row. order, expert_of, rank [N * K]: choices sorted by expert."""
+  num_experts, (n, k), d = w_gate.shape[0], weights.shape, x.shape[-1]
+  # [E, C] token of each (expert, place), N where the group is shorter; its combine weight.
+  token = jnp.full((num_experts, capacity), n, jnp.int32).at[expert_of, rank].set(order // k)
+  mix = jnp.zeros((num_experts, capacity), weights.dtype).at[expert_of, rank].set(
+      weights.reshape(-1)[order])
+  xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token]  # [E, C, D]; row N: zeros
+  g = jnp.einsum("ECD,EDF->ECF", xs, w_gate)
+  u = jnp.einsum("ECD,EDF->ECF", xs, w_up)
+  y = jnp.einsum("ECF,EFD->ECD", jax.nn.silu(g) * u, w_down)
+  # Rounded as every_expert_ffn rounds its mix (to the experts' dtype), summed in float32.
+  y = y.astype(jnp.float32) * mix.astype(y.dtype).astype(jnp.float32)[..., None]
+  return jnp.zeros((n + 1, d), jnp.float32).at[token.reshape(-1)].add(y.reshape(-1, d))[:n]
+
+
+def _switch_with_local_vjp(index, branches, diff_args: tuple, const_args: tuple):
+  """lax.switch(index, branches, *diff_args, *const_args), differentiable in diff_args, whose
+  backward pass runs the taken branch's own VJP (its forward recomputed there). Autodiff of a
+  switch keeps the residuals of every branch, zeros for those not taken, and under a layer scan
+  stacks them for every layer: for the tiny model's SFT step (9,216 tokens) writing those zeros
+  cost more than the smaller capacities saved."""
+  @jax.custom_vjp
+  def switch(diff, const, index):
+    return jax.lax.switch(index, branches, *diff, *const)
+
+  def forward(diff, const, index):
+    return switch(diff, const, index), (diff, const, index)
+
+  def backward(residuals, cotangent):
+    diff, const, index = residuals
+    vjps = [lambda g, d, c, branch=branch: jax.vjp(lambda *d_: branch(*d_, *c), *d)[1](g)
+            for branch in branches]
+    grads = jax.lax.switch(index, vjps, cotangent, diff, const)
+    return tuple(grads), (None,) * len(const), None
+
+  switch.defvjp(forward, backward)
+  return switch(tuple(diff_args), tuple(const_args), index)
 
 
 def _chosen_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,

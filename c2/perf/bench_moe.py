@@ -5,8 +5,10 @@
 Times forward + backward of the routed experts of one MoE layer (same routes, same weights) for
 each implementation the MoE layer can use, in one run, and prints times as ratios to the fastest
 (CPU timings are noisy: read the ratios, not the absolute numbers):
-  all_experts   every token through every expert, mixed by a dense weight matrix (3 batched
-                matmuls, E/K times the FLOPs): what `gmm_impl="auto"` picks on CPU
+  all_experts   what `gmm_impl="auto"` picks on CPU (dispatch.all_experts_ffn): batched matmuls
+                per expert over its tokens, padded to the largest group (from 16 tokens)
+  every_expert  every token through every expert, mixed by a dense weight matrix (3 batched
+                matmuls, E/K times the FLOPs)
   ragged_dot    sort by expert + jax.lax.ragged_dot: what "auto" picks on TPU/GPU
   dense_gmm     sort by expert + every row against every group (the "dense" grouped matmul)
   pallas_bf16   sort by expert + pallas_kernels.gmm (interpret mode off TPU)
@@ -38,6 +40,7 @@ def paths():
   gmm = lambda impl, **kw: functools.partial(grouped_matmul, impl=impl, **kw)
   return {
       "all_experts": lambda x, i, w, g, u, d: dispatch.all_experts_ffn(x, i, w, g, u, d),
+      "every_expert": lambda x, i, w, g, u, d: dispatch.every_expert_ffn(x, i, w, g, u, d),
       "ragged_dot": lambda x, i, w, g, u, d: dispatch.local_ffn(x, i, w, g, u, d, gmm("ragged_dot")),
       "dense_gmm": lambda x, i, w, g, u, d: dispatch.local_ffn(x, i, w, g, u, d, gmm("dense")),
       "pallas_bf16": lambda x, i, w, g, u, d: dispatch.local_ffn(x, i, w, g, u, d,

@@ -57,7 +57,8 @@ def step_context(exp: ExperimentConfig, optimizer: optim.Optimizer) -> StepConte
   weights = LossWeights(ce_chunk_size=t.ce_chunk_size, z_loss_weight=t.z_loss_weight,
                         mtp_weight=t.mtp_weight, mtp_loss=t.mtp_loss,
                         mtp_detach_trunk=t.mtp_detach_trunk,
-                        balance_loss_weight=t.balance_loss_weight)
+                        balance_loss_weight=t.balance_loss_weight,
+                        ce_weighted_only=t.ce_weighted_only)
   return StepContext(model=exp.model, tx=optimizer.tx, loss_weights=weights,
                      bias_update_rate=t.bias_update_rate, schedule=optimizer.schedule,
                      rl=rl_loss_weights(exp) if exp.phase == "rl" else None)
@@ -68,7 +69,8 @@ def rl_loss_weights(exp: ExperimentConfig) -> RLLossWeights:
   return RLLossWeights(
       normalizer=rl.normalizer or float(exp.data.global_batch_size * exp.data.seq_len),
       chunk_size=exp.train.ce_chunk_size, kl_coef=rl.kl_coef, kl_placement=rl.kl_placement,
-      is_cap=rl.is_cap, replay_fallback=rl.replay_fallback)
+      is_cap=rl.is_cap, replay_fallback=rl.replay_fallback,
+      weighted_only=exp.train.ce_weighted_only)
 
 
 def uses_reference(exp: ExperimentConfig) -> bool:

@@ -1,4 +1,6 @@
 """c2.head_loss: the fused chunked head objective against full-logits autodiff and closed forms."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,40 @@ def test_objective_and_gradients_match_full_logits_autodiff(name, depths):
   assert float(jnp.abs(grads[1]).max()) > 0
   # the primal (eval) path computes no gradients but the same objective
   np.testing.assert_allclose(fused(hidden, kernel, mtp), ref_value, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, depths", [("ce+z", 0), ("distill+ce", 1)])
+def test_weighted_only_equals_the_reference_and_skips_chunks_without_weight(name, depths):
+  """weighted_only gives the reference objective and gradients, and never computes a chunk of
+  unweighted tokens: NaN hidden states there would poison the sums. 16 of 40 tokens carry a
+  (main or MTP) weight, in 2 whole chunks of 8 once gathered."""
+  spec = dataclasses.replace(SPECS[name], chunk_size=8, weighted_only=True)
+  hidden, kernel, targets, _, mtp, _ = _inputs(40, depths, seed=3)
+  index = np.random.default_rng(0).permutation(40)
+  weights = jnp.zeros(40).at[index[:12 + 4 * (1 - depths)]].set(1.0)
+  # with an MTP depth, 4 tokens weigh only for the MTP
+  mtp_w = jnp.zeros((40, depths)).at[index[8:16], :].set(1.0)
+  weighted = np.asarray((weights > 0) | jnp.any(mtp_w > 0, axis=1))
+  poison = lambda x: jnp.where(weighted.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan)
+
+  def fused(h, k, s):
+    return head_loss.head_loss(spec, h, k, targets, weights, s, mtp_w)[0]
+
+  def reference(h, k, s):
+    return _reference(spec, h, k, targets, weights, s, mtp_w)
+
+  value, grads = jax.value_and_grad(fused, argnums=(0, 1, 2))(poison(hidden), kernel, poison(mtp))
+  ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(hidden, kernel, mtp)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for got, want in zip(grads, ref_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  # every token the main loss weighs gets its gradient (the values above are the reference's)
+  assert float(jnp.linalg.norm(grads[0][np.asarray(weights) > 0], axis=-1).min()) > 0
+  _, metrics = head_loss.head_loss(spec, hidden, kernel, targets, weights, mtp, mtp_w)
+  _, full_metrics = head_loss.head_loss(dataclasses.replace(spec, weighted_only=False), hidden,
+                                        kernel, targets, weights, mtp, mtp_w)
+  for key in metrics:
+    np.testing.assert_allclose(metrics[key], full_metrics[key], rtol=1e-5, err_msg=key)
 
 
 def test_gradient_scales_with_the_cotangent():

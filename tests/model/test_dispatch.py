@@ -75,6 +75,34 @@ def test_all_experts_ffn_equals_reference_and_its_gradient(tokens, skewed):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("largest", [8, 9, 12, 13, 24, 32])
+def test_each_capacity_of_the_padded_groups_gives_the_reference_and_its_gradient(largest,
+                                                                                monkeypatch):
+  """32 tokens, balanced load 8, with the fine capacity steps of training batches: capacities 8,
+  10, 12, 16, 24, 32. Expert 0 gets `largest` token-choices, so each capacity (and the one above
+  an exact fit) is the branch that runs, in the forward pass and in the backward pass, which runs
+  that branch's own VJP."""
+  monkeypatch.setattr(dispatch, "FINE_STEPS_ABOVE", 0)
+  tokens = 32
+  # The other choices go round experts 1..7 (consecutive ones differ), none above `largest`.
+  cycle = iter(1 + np.arange(64) % (E - 1))
+  ids = np.array([[0, next(cycle)] if i < largest else [next(cycle), next(cycle)]
+                  for i in range(tokens)], np.int32)
+  assert np.bincount(ids.ravel()).max() == largest
+  rng = np.random.default_rng(largest)
+  x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+  w = jnp.asarray(rng.uniform(0.1, 1.0, size=(tokens, K)), jnp.float32)
+  args = (x, w) + _weights(2)
+  loss = lambda fn: lambda x, w, *ws: jnp.sum(jnp.sin(fn(x, jnp.asarray(ids), w, *ws)))
+  value, grads = jax.value_and_grad(loss(dispatch.all_experts_ffn), argnums=range(5))(*args)
+  ref_value, ref_grads = jax.value_and_grad(loss(dispatch.every_expert_ffn),
+                                            argnums=range(5))(*args)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-5)
+  for got, want in zip(grads, ref_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert float(jnp.abs(grads[2][0]).max()) > 0  # expert 0's gate weights get their gradient
+
+
 @pytest.mark.parametrize("impl", ["ragged_dot", "dense"])
 def test_grouped_matmul_groups_and_tail(impl):
   rng = np.random.default_rng(3)

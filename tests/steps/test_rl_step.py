@@ -31,6 +31,29 @@ def test_token_logprobs_equal_the_full_log_softmax_value_and_gradient(n, chunk):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_token_logprobs_of_active_tokens_only_skip_the_rest():
+  """`active`: the active tokens' log-probs and gradients as without it, 0 elsewhere; the chunks
+  holding no active token are not computed (NaN hidden states there never reach the output)."""
+  n, chunk = 24, 4
+  keys = jax.random.split(jax.random.key(1), 3)
+  active = jnp.zeros(n, bool).at[jnp.array([1, 5, 6, 11, 17, 23, 2, 20])].set(True)  # 2 chunks
+  hidden = jax.random.normal(keys[0], (n, 6))
+  kernel = jax.random.normal(keys[1], (6, 11))
+  targets = jax.random.randint(keys[2], (n,), 0, 11)
+  weights = jnp.arange(n, dtype=jnp.float32)
+  loss = lambda h, w, a: jnp.sum(weights * jnp.where(active, token_logprobs(h, w, targets, chunk,
+                                                                            a), 0.0))
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1))(hidden, kernel, None)
+  poisoned = jnp.where(active[:, None], hidden, jnp.nan)
+  got_value, got_grads = jax.value_and_grad(loss, argnums=(0, 1))(poisoned, kernel, active)
+  np.testing.assert_allclose(got_value, value, rtol=1e-6)
+  for got, want in zip(got_grads, grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  logp = token_logprobs(hidden, kernel, targets, chunk, active)
+  assert np.all(np.asarray(logp)[~np.asarray(active)] == 0)
+  assert np.all(np.asarray(logp)[np.asarray(active)] < 0)
+
+
 def _batch(cfg, rng):
   b, t = 2, 12
   keys = jax.random.split(rng, 3)
