@@ -4,6 +4,8 @@
   python -m c2.bench gmm --help
   python -m c2.bench decode --workdir runs/tiny   # inference engine vs transformers, speculative,
                                                  # continuous batching
+  python -m c2.bench moe            # routed-expert paths on this backend (forward + backward)
+  python -m c2.bench head           # the loss head over every token vs over weighted tokens only
   python -m c2.bench envs           # coding environments: rollouts/s and tool-call latency at
                                     # 1, 8, 32 concurrent, sandboxed vs unsandboxed
 

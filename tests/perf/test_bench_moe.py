@@ -10,7 +10,7 @@ def test_moe_bench_lists_paths_with_ratios(capsys):
   assert "moe" in bench.available()
   assert bench.main(ARGS) == 0
   out = capsys.readouterr().out
-  for name in ("all_experts", "ragged_dot", "dense_gmm"):
+  for name in ("all_experts", "every_expert", "ragged_dot", "dense_gmm"):
     assert name in out
   assert "x fastest" in out and "FAIL" not in out
 

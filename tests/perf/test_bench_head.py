@@ -1,0 +1,37 @@
+"""c2.bench head: the loss head over every token and over the weighted ones agree, the bench
+reports both objectives' ratio, and a head setting that changes the loss fails it."""
+import numpy as np
+
+from c2 import bench
+from c2.losses import lm as lm_lib
+from c2.perf import bench_head
+
+ARGS = ["head", "--rows", "2", "--seq-len", "64", "--span", "8", "--chunk", "16", "--repeats", "1"]
+
+
+def test_synthetic_batch_weighs_the_asked_share_in_closing_spans():
+  batch = bench_head.synthetic_batch(3, 960, 0.25, 8, 50)
+  mask, segments = np.asarray(batch["loss_mask"]), np.asarray(batch["segment_ids"])
+  assert abs(mask.mean() - 0.25) < 0.02  # a row's cut first segment may be all span
+  for row in range(3):  # each weighted span ends its segment
+    ends = np.flatnonzero(np.diff(segments[row]) != 0)
+    assert all(mask[row, e] == 1 for e in ends)
+
+
+def test_head_bench_reports_both_objectives_and_agrees(capsys):
+  assert "head" in bench.available()
+  assert bench.main(ARGS) == 0
+  out = capsys.readouterr().out
+  assert "sft (lm loss)" in out and "rl (policy gradient)" in out and "FAIL" not in out
+
+
+def test_a_head_setting_that_changes_the_loss_fails_the_bench(monkeypatch, capsys):
+  real = lm_lib.lm_loss
+
+  def skewed(cfg, params, batch, weights, *args):
+    loss, aux = real(cfg, params, batch, weights, *args)
+    return (loss * 1.001 if weights.ce_weighted_only else loss), aux
+
+  monkeypatch.setattr(lm_lib, "lm_loss", skewed)
+  assert bench.main(ARGS) == 1
+  assert "FAILED: sft (lm loss)" in capsys.readouterr().out
