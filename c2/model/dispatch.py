@@ -82,7 +82,8 @@ def local_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: j
 
 
 def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                    w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                    w_up: jax.Array, w_down: jax.Array,
+                    token_mask: Optional[jax.Array] = None) -> jax.Array:
   """Routed experts without a sort or a grouped matmul (`gmm_impl="dense"`, what "auto" picks on
   CPU, where `ragged_dot` has no fast kernel): batched matmuls over the experts, dropless, in the
   form fastest for the number of tokens (`python -m c2.bench moe` measures the choice):
@@ -90,13 +91,15 @@ def all_experts_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_g
     N >= 16          per expert over its tokens, padded to a capacity that holds the largest group
                      (decode batches, prefill chunks, training batches)
     otherwise        every token through every expert, mixed by a dense [N, E] weight matrix
+  token_mask [N] bool (optional): tokens outside it (padding, empty decode slots) must have zero
+  weights; the padded groups leave them out, so they take no room in the largest group.
   """
   num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
   if 2 * n * k <= num_experts:
     return _chosen_experts_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
   if n >= 16:
-    return _capacity_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
+    return _capacity_ffn(x, expert_ids, weights, w_gate, w_up, w_down, token_mask)
   return every_expert_ffn(x, expert_ids, weights, w_gate, w_up, w_down)
 
 
@@ -124,7 +127,8 @@ def every_expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_
 
 
 def _capacity_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array,
+                  token_mask: Optional[jax.Array] = None) -> jax.Array:
   """Each expert on its own tokens, padded to a capacity C that holds the largest group: still
   dropless, with C the smallest of the capacity steps (CAPACITY_STEPS, or FINE_CAPACITY_STEPS
   above FINE_STEPS_ABOVE tokens) x the balanced load N * K / E (rounded up) and N that fits, picked per call by a lax.switch (the loads are only known on the device).
@@ -138,10 +142,13 @@ def _capacity_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
   num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
   flat = expert_ids.reshape(-1)  # [N * K] token-major choices
-  loads = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)  # [E]
+  if token_mask is not None:  # masked tokens' choices go to a virtual expert E, never placed
+    flat = jnp.where(jnp.repeat(token_mask, k), flat, num_experts)
+  loads = jnp.zeros(num_experts + 1, jnp.int32).at[flat].add(1)  # [E + 1]
   order = jnp.argsort(flat, stable=True)  # choices grouped by expert
   expert_of = flat[order]
   rank = jnp.arange(n * k) - (jnp.cumsum(loads) - loads)[expert_of]  # place in its group
+  loads = loads[:num_experts]
   balanced = n * k / num_experts
   steps = FINE_CAPACITY_STEPS if n > FINE_STEPS_ABOVE else CAPACITY_STEPS
   capacities = sorted({min(n, math.ceil(m * balanced)) for m in steps} | {n})
@@ -156,9 +163,11 @@ def _padded_groups_ffn(capacity, x, weights, w_gate, w_up, w_down, order, expert
   the rest pointing at a zero row. order, expert_of, rank [N * K]: choices sorted by expert."""
   num_experts, (n, k), d = w_gate.shape[0], weights.shape, x.shape[-1]
   # [E, C] token of each (expert, place), N where the group is shorter; its combine weight.
-  token = jnp.full((num_experts, capacity), n, jnp.int32).at[expert_of, rank].set(order // k)
+  # Choices of the virtual expert E (masked tokens) fall outside the [E, C] tables: dropped.
+  token = jnp.full((num_experts, capacity), n, jnp.int32).at[expert_of, rank].set(
+      order // k, mode="drop")
   mix = jnp.zeros((num_experts, capacity), weights.dtype).at[expert_of, rank].set(
-      weights.reshape(-1)[order])
+      weights.reshape(-1)[order], mode="drop")
   xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token]  # [E, C, D]; row N: zeros
   g = jnp.einsum("ECD,EDF->ECF", xs, w_gate)
   u = jnp.einsum("ECD,EDF->ECF", xs, w_up)

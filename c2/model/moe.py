@@ -73,11 +73,13 @@ class MoE(nn.Module):
                    routed_scaling_factor=self.routed_scaling_factor, forced_expert_ids=forced,
                    replay_fallback=self.replay_fallback)
     expert_ids = routes.expert_ids.reshape(b, t, k)
-    weights = routes.weights.reshape(b, t, k)
     token_mask = segment_ids > 0
+    # Padding (segment 0) gets no routed output on every path, and the dense path skips it: all
+    # padding tokens are alike, so they pile onto the same experts and inflate the largest group.
+    weights = routes.weights.reshape(b, t, k) * token_mask[..., None]
 
     routed, dropped = self._routed_experts(x.astype(self.dtype), expert_ids, weights, w_gate, w_up,
-                                           w_down)
+                                           w_down, token_mask)
     shared = GatedFFN(self.shared_ffn_size, self.dtype, self.param_dtype, name="shared")(x)
     y = constrain(routed.astype(self.dtype) + shared, ("batch", "length", "act_embed"))
     aux = {
@@ -102,18 +104,20 @@ class MoE(nn.Module):
     # what an MXFP8 all-to-all would deliver.
     return functools.partial(quant.fake_quant, fmt=self.dispatch_fmt)
 
-  def _local_ffn(self, *args):
-    """Experts on this device: all-experts batched matmuls for `dense`, else sort + gmm."""
+  def _local_ffn(self, *args, token_mask=None):
+    """Experts on this device: all-experts batched matmuls for `dense` (skipping tokens outside
+    token_mask), else sort + gmm."""
     if resolve_impl(self.gmm_impl) == "dense":
-      return dispatch.all_experts_ffn(*args)
+      return dispatch.all_experts_ffn(*args, token_mask=token_mask)
     return dispatch.local_ffn(*args, self._gmm())
 
-  def _routed_experts(self, x, expert_ids, weights, w_gate, w_up, w_down):
+  def _routed_experts(self, x, expert_ids, weights, w_gate, w_up, w_down, token_mask):
     b, t, d = x.shape
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1:
       y = self._local_ffn(x.reshape(b * t, d), expert_ids.reshape(b * t, -1),
-                          weights.reshape(b * t, -1), w_gate, w_up, w_down)
+                          weights.reshape(b * t, -1), w_gate, w_up, w_down,
+                          token_mask=token_mask.reshape(b * t))
       return y.reshape(b, t, d), jnp.zeros((), jnp.int32)
 
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))

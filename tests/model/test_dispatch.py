@@ -103,6 +103,25 @@ def test_each_capacity_of_the_padded_groups_gives_the_reference_and_its_gradient
   assert float(jnp.abs(grads[2][0]).max()) > 0  # expert 0's gate weights get their gradient
 
 
+def test_masked_tokens_take_no_room_in_the_padded_groups(monkeypatch):
+  """Padding tokens (all alike, all to expert 0) outside token_mask are left out of the groups:
+  the capacity holds the real tokens' largest group, and every output equals the reference (the
+  padding's, with zero weights, is 0). Capacities are checked by making each one record itself."""
+  x, ids, w = _routes(4, skewed=False)
+  pad = np.arange(N) >= 40  # 24 padding tokens, all choosing experts 0 and 1
+  ids = jnp.where(pad[:, None], jnp.array([0, 1]), ids)
+  w = jnp.where(pad[:, None], 0.0, w)
+  gate, up, down = _weights(3)
+  ran = []
+  real = dispatch._padded_groups_ffn
+  monkeypatch.setattr(dispatch, "_padded_groups_ffn",
+                      lambda c, *a: jax.debug.callback(lambda: ran.append(c)) or real(c, *a))
+  out = dispatch.all_experts_ffn(x, ids, w, gate, up, down, token_mask=jnp.asarray(~pad))
+  np.testing.assert_allclose(out, _reference(x, ids, w, gate, up, down), rtol=1e-4, atol=1e-5)
+  largest_real = np.bincount(np.asarray(ids)[~pad].ravel(), minlength=E).max()
+  assert ran and ran[-1] < N and ran[-1] >= largest_real  # 24 + padding would need C = N
+
+
 @pytest.mark.parametrize("impl", ["ragged_dot", "dense"])
 def test_grouped_matmul_groups_and_tail(impl):
   rng = np.random.default_rng(3)
