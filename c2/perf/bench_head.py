@@ -24,6 +24,7 @@ from c2 import model
 from c2.losses import lm as lm_lib
 from c2.losses import rl as rl_lib
 from c2.model.config import get_preset
+from c2.perf import bench_moe
 
 REL_TOLERANCE = 1e-5  # float32: the two settings sum the same products in other orders
 
@@ -66,17 +67,11 @@ def objectives(cfg, chunk: int, mtp_weight: float, normalizer: float) -> dict:
   return {"sft (lm loss)": lm, "rl (policy gradient)": rl}
 
 
-def _max_rel_diff(a, b) -> float:
-  def rel(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
-  return max(rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="python -m c2.bench head", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", default="tiny")
+  parser.add_argument("--layers", type=int, default=0, help="model layers (0: the preset's)")
   parser.add_argument("--rows", type=int, default=6)
   parser.add_argument("--seq-len", type=int, default=1536)
   parser.add_argument("--weighted", type=float, default=0.15,
@@ -90,6 +85,8 @@ def main(argv: list[str]) -> int:
     parser.error(f"--weighted must be in (0, 1], got {args.weighted}")
 
   cfg = get_preset(args.preset, dtype="float32")
+  if args.layers:
+    cfg = cfg.replace(num_layers=args.layers)
   params = model.init_params(cfg, jax.random.key(0))
   batch = synthetic_batch(args.rows, args.seq_len, args.weighted, args.span, cfg.vocab_size)
   share = float(jnp.mean(batch["loss_mask"]))
@@ -107,7 +104,7 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         jax.block_until_ready(step(params, batch))
         best[i] = min(best[i], time.perf_counter() - start)
-    diff = _max_rel_diff(outputs[1], outputs[0])
+    diff = bench_moe.max_rel_diff(outputs[1], outputs[0])
     mark = "  FAIL" if diff > REL_TOLERANCE else ""
     failed += [name] if mark else []
     print(f"{name:<22}{best[0]:>14.3f}{best[1]:>12.3f}{best[0] / best[1]:>8.2f}x{diff:>10.1e}"

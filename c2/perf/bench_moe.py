@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
       jax.block_until_ready(step(x, gate, up, down))
       times.append(time.perf_counter() - start)
     reference = outputs if reference is None else reference
-    results[name] = (float(np.median(times)), _max_rel_diff(outputs, reference))
+    results[name] = (float(np.median(times)), max_rel_diff(outputs, reference))
 
   fastest = min(t for t, _ in results.values())
   tolerance = REL_TOLERANCE[dtype.name]
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
   return 1 if failed else 0
 
 
-def _max_rel_diff(outputs, reference) -> float:
+def max_rel_diff(outputs, reference) -> float:
   """Largest relative difference over the loss and every gradient (each by its max |ref|)."""
   def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
