@@ -130,16 +130,16 @@ def _capacity_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
                   w_up: jax.Array, w_down: jax.Array,
                   token_mask: Optional[jax.Array] = None) -> jax.Array:
   """Each expert on its own tokens, padded to a capacity C that holds the largest group: still
-  dropless, with C the smallest of the capacity steps (CAPACITY_STEPS, or FINE_CAPACITY_STEPS
-  above FINE_STEPS_ABOVE tokens) x the balanced load N * K / E (rounded up) and N that fits,
-  picked per call by a lax.switch (the loads are only known on the device). Tokens outside
-  token_mask are left out. Measured per tiny MoE layer on CPU inside a decode loop (a scan),
-  with capacities of 1x and 2x the balanced load and N: 180 vs 279 us for every token through
-  every expert at N = 16 (largest group 6, C = 8), 1,184 vs 1,782 at N = 128 (a prefill chunk);
-  no gain at N = 8, hence the lower bound. Forward + backward in bfloat16 (skewed routes, largest group ~0.35 N), alone:
-  38.6 vs 75.2 ms at N = 1,536 (a copy-drill batch), 211 vs 427 at 9,216 (a tool-use SFT batch),
-  385 vs 791 at 16,384. In the tiny model's whole training step the finer steps (1.25x, 1.5x,
-  3x) matter: its trained routers' largest groups were 1.2x, 1.7x and 2.5x the balanced load."""
+  dropless, with C the smallest of the capacity steps (CAPACITY_STEPS, or FINE_CAPACITY_STEPS above
+  FINE_STEPS_ABOVE tokens) x the balanced load N * K / E (rounded up) and N that fits, picked per
+  call by a lax.switch (the loads are only known on the device). Tokens outside token_mask are left
+  out. Measured per tiny MoE layer on CPU inside a decode loop (a scan), with capacities of 1x and
+  2x the balanced load and N: 180 vs 279 us for every token through every expert at N = 16 (largest
+  group 6, C = 8), 1,184 vs 1,782 at N = 128 (a prefill chunk); no gain at N = 8, hence the lower
+  bound. Forward + backward in bfloat16 (skewed routes, largest group ~0.35 N), alone: 38.6 vs 75.2
+  ms at N = 1,536 (a copy-drill batch), 211 vs 427 at 9,216 (a tool-use SFT batch), 385 vs 791 at
+  16,384. In the tiny model's whole training step the finer steps (1.25x, 1.5x, 3x) matter: its
+  trained routers' largest groups were 1.2x, 1.7x and 2.5x the balanced load."""
   num_experts = w_gate.shape[0]
   n, k = expert_ids.shape
   flat = expert_ids.reshape(-1)  # [N * K] token-major choices
