@@ -1,4 +1,5 @@
 """Static checks on launch/: shellcheck, usage text, one env file, file sizes."""
+import os
 import shutil
 import subprocess
 
@@ -24,6 +25,9 @@ def test_help_and_strict_mode(launch, script):
     text = script.read_text()
     assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
     assert 'source "$here/env.sh"' in text   # every script sees the one set of TPU flags
+    # The READMEs run them as `launch/NAME.sh`: without the executable bit (a clean clone takes
+    # it from git's index) that is "Permission denied", as agentic_pipeline.sh once was.
+    assert os.access(script, os.X_OK), f"chmod +x {script.name} (and git add it)"
 
 
 def test_tpu_flags_live_in_env_sh_only(tmp_path):
