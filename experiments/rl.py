@@ -81,6 +81,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # from the same SFT checkpoint: 0.047 -> 0.066, paired change +0.020 (-0.010 to +0.049);
     # that run resumed to 60 steps: 0.082 at 45, 0.090 (0.042 to 0.138) at 60, paired change
     # +0.043 (+0.009 to +0.077), pass@4 0.109 -> 0.219: beyond noise (README "Agentic RL").
+    # The whole pipeline rerun from scratch with this setting (2026-12-06, new numerics): 0.047 ->
+    # 0.043 at step 60, paired change -0.004 (-0.024 to +0.016): the rise is not reproducible yet.
     # Four samples per held-out task, not two, narrow the interval's sampling part by sqrt(2);
     # evaluations at steps 0, 30 and 60 (~4 min each).
     c.optim.peak_lr = 1.5e-4
