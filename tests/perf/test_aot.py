@@ -18,6 +18,7 @@ def _experiment(path, **updates):
   return config_lib.from_config_dict(c)
 
 
+@pytest.mark.slow  # a TPU compile, ~70 s on 2 cores; the default suite keeps under 15 min
 def test_tiny_expert_parallel_step_compiles_for_v5p():
   exp = _experiment("experiments/pretrain.py:tiny", **{
       "mesh.fsdp": 1, "mesh.expert": 4, "data.global_batch_size": 8, "data.seq_len": 256})
@@ -30,6 +31,7 @@ def test_tiny_expert_parallel_step_compiles_for_v5p():
   assert "FITS" in report.format()
 
 
+@pytest.mark.slow  # a TPU compile, ~43 s on 2 cores; the default suite keeps under 15 min
 def test_two_slices_put_the_data_axis_over_dcn():
   """--num-slices 2: twice the devices, the data axis spans the slices and nothing else does."""
   exp = _experiment("experiments/pretrain.py:tiny", **{

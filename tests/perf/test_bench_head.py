@@ -1,6 +1,7 @@
 """c2.bench head: the loss head over every token and over the weighted ones agree, the bench
 reports both objectives' ratio, and a head setting that changes the loss fails it."""
 import numpy as np
+import pytest
 
 from c2 import bench
 from c2.losses import lm as lm_lib
@@ -19,6 +20,7 @@ def test_synthetic_batch_weighs_the_asked_share_in_closing_spans():
     assert all(mask[row, e] == 1 for e in ends)
 
 
+@pytest.mark.slow  # ~53 s on 2 cores; the default suite keeps under 15 minutes
 def test_bench_reports_both_objectives_and_fails_the_one_whose_settings_disagree(monkeypatch,
                                                                                  capsys):
   """One run (four compiles): the LM loss is made 0.1% off when it skips unweighted tokens, so

@@ -133,6 +133,7 @@ def test_init_from_attaches_fresh_mtp_to_a_checkpoint_without_it(small_experimen
   np.testing.assert_array_equal(relative["lm_head"], saved["lm_head"])
 
 
+@pytest.mark.slow  # ~74 s on 2 cores (two runs and a restore); the default suite keeps under 15 min
 def test_eval_at_start_scores_the_start_checkpoint_at_step_0(small_experiment, tmp_path):
   """train.eval_at_start: a run from init_from logs the checkpoint's held-out loss at step 0,
   the value its own run ended with (same params, same held-out batches)."""
