@@ -154,6 +154,9 @@ class RLConfig:
   kl_coef: float = 0.0
   kl_placement: str = "reward"  # reward (detached per-token shaping) | loss | none
   is_cap: Optional[float] = None  # truncated importance weights pi_train / pi_sampler
+  # Positions where the learner's next-token entropy (nats) is below this get no policy gradient
+  # (c2/losses/rl.py, `min_entropy`); 0 trains every sampled token.
+  min_token_entropy: float = 0.0
   router_replay: bool = True
   replay_fallback: str = "rank"  # c2.model.router.replay_threshold rule
   publish_dtype: str = "bfloat16"  # weights as the engines get them (float32: trainer numerics)
@@ -419,6 +422,9 @@ def _validate_rl(exp: ExperimentConfig) -> None:
                       "reward or outcome")
   if rl.kl_placement not in ("reward", "loss", "none"):
     raise ConfigError(f"config.rl.kl_placement={rl.kl_placement!r}; choose reward, loss or none")
+  if not rl.min_token_entropy >= 0:
+    raise ConfigError(f"config.rl.min_token_entropy={rl.min_token_entropy!r}; it is in nats, "
+                      ">= 0 (0: every sampled token gets the policy gradient)")
   if rl.publish_dtype not in ("bfloat16", "float32"):
     raise ConfigError(f"config.rl.publish_dtype={rl.publish_dtype!r}; choose bfloat16 or float32")
   if rl.engine_dtype not in ("", "bfloat16", "float32"):

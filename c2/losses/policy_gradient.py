@@ -108,7 +108,8 @@ def policy_gradient_loss(logp: jax.Array, sampler_logp: jax.Array, advantages: j
                          mask: jax.Array, *, normalizer: float,
                          ref_logp: Optional[jax.Array] = None, kl_coef: float = 0.0,
                          kl_placement: str = "reward",
-                         is_cap: Optional[float] = None) -> tuple[jax.Array, dict]:
+                         is_cap: Optional[float] = None,
+                         pg_mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
   """The Dr. GRPO surrogate with k1 KL and optional truncated IS -> (loss [], metrics).
 
   Args:
@@ -121,10 +122,13 @@ def policy_gradient_loss(logp: jax.Array, sampler_logp: jax.Array, advantages: j
     kl_coef: beta. kl_placement: "reward" (detached shaping of A, default), "loss" (beta * k1
       added to the loss), "none".
     is_cap: C of w = sg(min(pi_train / pi_sampler, C)); None disables (w = 1).
+    pg_mask: [B, T] optional, data: 0 drops a model token from the policy-gradient term only (the
+      KL loss and the metrics still count it); e.g. positions of low entropy (c2.losses.rl).
 
   Metrics (means over masked tokens): kl (k1, when ref_logp is given), mismatch_mean and
   mismatch_p99 of |logp - sampler_logp|, is_clipped_fraction (ratio > cap), is_weight_mean,
-  advantage_mean (the advantages passed in), tokens, pg_loss, kl_loss.
+  advantage_mean (the advantages passed in), tokens, pg_loss, kl_loss, and pg_token_fraction
+  (model tokens the policy gradient kept) with a pg_mask.
   """
   if isinstance(normalizer, (jax.Array, np.ndarray)) or not normalizer > 0:
     raise TypeError(f"normalizer must be a positive Python number fixed for the run, got "
@@ -151,7 +155,8 @@ def policy_gradient_loss(logp: jax.Array, sampler_logp: jax.Array, advantages: j
   shaped = advantages
   if use_kl and kl_placement == "reward":
     shaped = advantages - kl_coef * jax.lax.stop_gradient(k1)
-  pg_loss = -jnp.sum(mask * weight * shaped * logp) / normalizer
+  pg_weight = mask if pg_mask is None else mask * data(pg_mask)
+  pg_loss = -jnp.sum(pg_weight * weight * shaped * logp) / normalizer
   kl_loss = jnp.zeros((), jnp.float32)
   if use_kl and kl_placement == "loss":
     kl_loss = kl_coef * jnp.sum(mask * k1) / normalizer
@@ -170,4 +175,6 @@ def policy_gradient_loss(logp: jax.Array, sampler_logp: jax.Array, advantages: j
   }
   if k1 is not None:
     metrics["kl"] = _masked_mean(jax.lax.stop_gradient(k1), mask)
+  if pg_mask is not None:
+    metrics["pg_token_fraction"] = jnp.sum(pg_weight) / jnp.maximum(jnp.sum(mask), 1.0)
   return loss, metrics

@@ -41,11 +41,22 @@ class RLLossWeights:
   is_cap: Optional[float] = None  # truncated importance weights pi_train / pi_sampler
   replay_fallback: Any = "rank"  # c2.model.router.replay_threshold rule ("off": verbatim replay)
   weighted_only: bool = False  # project only the model tokens (token_logprobs' `active`)
+  # Positions whose next-token entropy under the learner (nats, detached) is below this get no
+  # policy gradient (0: off). Why: at a near-deterministic position (a format token) the sampled
+  # token's score is tiny but its sign follows the rollout's advantage, and failing rollouts make
+  # more turns, so these tokens are pushed down step after step; the rare samples that would
+  # balance that in expectation almost never come. Measured on the tiny pipeline (README,
+  # "Agentic RL"): at lr 3e-4 the policy lost its "Next step:" turn opening and with it every
+  # tool call. Training only the uncertain positions follows Wang et al. 2025 ("Beyond the 80/20
+  # rule: high-entropy minority tokens drive effective RL").
+  min_entropy: float = 0.0
 
 
 def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array,
-                   chunk_size: int, active: Optional[jax.Array] = None) -> jax.Array:
-  """log softmax(hidden @ W)[target] for hidden [N, D], targets [N] -> float32 [N], differentiable.
+                   chunk_size: int, active: Optional[jax.Array] = None,
+                   with_entropy: bool = False):
+  """log softmax(hidden @ W)[target] for hidden [N, D], targets [N] -> float32 [N], differentiable
+  (with_entropy: and the entropy of each softmax in nats, float32 [N], detached, as a pair).
 
   Over token chunks under jax.checkpoint: the [N, V] logits never exist at once, and the backward
   pass recomputes one chunk's logits at a time (V = 163,840 at full scale). With `active` [N]
@@ -68,18 +79,29 @@ def token_logprobs(hidden: jax.Array, head_kernel: jax.Array, targets: jax.Array
 
   def logp(h_c, t_c):
     logits = jnp.einsum("nD,DV->nV", h_c.astype(jnp.float32), head_kernel.astype(jnp.float32))
-    return jnp.take_along_axis(jax.nn.log_softmax(logits), t_c[:, None], axis=-1)[:, 0]
+    log_probs = jax.nn.log_softmax(logits)  # [n, V]
+    picked = jnp.take_along_axis(log_probs, t_c[:, None], axis=-1)[:, 0]
+    if not with_entropy:
+      return picked
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return picked, jax.lax.stop_gradient(entropy)
 
   if active is None:
-    return head_lib.unchunk(jax.lax.map(jax.checkpoint(lambda a: logp(*a)), (h, t)), n)
-  skipped = lambda h_c, t_c: jnp.zeros(t_c.shape, jnp.float32)
+    out = jax.lax.map(jax.checkpoint(lambda a: logp(*a)), (h, t))
+    return jax.tree.map(lambda x: head_lib.unchunk(x, n), out)
+  skipped = lambda h_c, t_c: ((jnp.zeros(t_c.shape, jnp.float32),) * 2 if with_entropy
+                              else jnp.zeros(t_c.shape, jnp.float32))
   one = jax.checkpoint(lambda a: jax.lax.cond(a[0], logp, skipped, a[1], a[2]))
-  logp_all = head_lib.scatter_back(jax.lax.map(one, (runs, h, t)).reshape(-1)[:n], order)
-  return jnp.where(active, logp_all, 0.0)  # the last chunk run may hold inactive tokens
+  out = jax.lax.map(one, (runs, h, t))
+  # The last chunk run may hold inactive tokens: they get 0.
+  back = lambda x: jnp.where(active, head_lib.scatter_back(x.reshape(-1)[:n], order), 0.0)
+  return jax.tree.map(back, out)
 
 
-def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights):
-  """-> (model outputs, logp [B, T] of each position's next token, its mask)."""
+def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights,
+                      with_entropy: bool = False):
+  """-> (model outputs, logp [B, T] of each position's next token, its mask); with_entropy:
+  logp is a pair (logp, entropy [B, T] of each position's next-token distribution)."""
   tokens, segments = batch["tokens"], batch["segment_ids"]
   out = model_lib.forward(cfg, params, tokens, segments, batch["positions"],
                           batch.get("forced_routes"), with_mtp=False,
@@ -88,8 +110,8 @@ def _forward_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLos
   b, t = tokens.shape
   logp = token_logprobs(out["hidden"].reshape(b * t, -1), model_lib.head_kernel(cfg, params),
                         targets.reshape(-1), weights.chunk_size,
-                        mask.reshape(-1) > 0 if weights.weighted_only else None).reshape(b, t)
-  return out, logp, mask
+                        mask.reshape(-1) > 0 if weights.weighted_only else None, with_entropy)
+  return out, jax.tree.map(lambda x: x.reshape(b, t), logp), mask
 
 
 def reference_logprobs(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
@@ -106,13 +128,18 @@ def rl_loss(cfg: ModelConfig, params: Any, batch: dict, weights: RLLossWeights
             ) -> tuple[jax.Array, dict]:
   """-> (loss, aux): aux["metrics"] (policy-gradient metrics, replay override rate) and, for MoE
   models, aux["router_load"] for the aux-loss-free bias update (as the LM objective)."""
-  out, logp, mask = _forward_logprobs(cfg, params, batch, weights)
+  gate = weights.min_entropy > 0
+  out, logp, mask = _forward_logprobs(cfg, params, batch, weights, with_entropy=gate)
+  logp, entropy = logp if gate else (logp, None)
   ahead = lambda name: targets_lib.shift_left(batch[name].astype(jnp.float32), 1)
   ref = ahead("ref_logp") if "ref_logp" in batch else None
   loss, metrics = pg.policy_gradient_loss(
       logp, ahead("sampler_logp"), ahead("advantages"), mask, normalizer=weights.normalizer,
       ref_logp=ref, kl_coef=weights.kl_coef, kl_placement=weights.kl_placement,
-      is_cap=weights.is_cap)
+      is_cap=weights.is_cap,
+      pg_mask=None if entropy is None else (entropy >= weights.min_entropy).astype(jnp.float32))
+  if entropy is not None:
+    metrics["entropy_mean"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   metrics = {f"rl/{name}": value for name, value in metrics.items()}
   aux = {"metrics": metrics, "logp": jax.lax.stop_gradient(logp)}
   if cfg.num_moe_layers:

@@ -70,7 +70,7 @@ def rl_loss_weights(exp: ExperimentConfig) -> RLLossWeights:
       normalizer=rl.normalizer or float(exp.data.global_batch_size * exp.data.seq_len),
       chunk_size=exp.train.ce_chunk_size, kl_coef=rl.kl_coef, kl_placement=rl.kl_placement,
       is_cap=rl.is_cap, replay_fallback=rl.replay_fallback,
-      weighted_only=exp.train.ce_weighted_only)
+      weighted_only=exp.train.ce_weighted_only, min_entropy=rl.min_token_entropy)
 
 
 def uses_reference(exp: ExperimentConfig) -> bool:

@@ -106,6 +106,26 @@ def test_gradient_is_minus_mask_advantage_weight_over_z(is_cap):
   np.testing.assert_allclose(value, -np.sum(mask * w * adv * logp) / Z, rtol=1e-5)
 
 
+def test_pg_mask_drops_tokens_from_the_policy_gradient_only():
+  """pg_mask 0 removes a token from the policy-gradient term (its gradient there is the KL loss's
+  alone); the metrics still count every model token."""
+  logp, sampler, ref, adv, mask = map(jnp.asarray, _batch(2))
+  keep = jnp.asarray(np.random.default_rng(5).random((B, T)) < 0.5, jnp.float32)
+  beta = 0.1
+  loss = lambda lp, placement: pg.policy_gradient_loss(
+      lp, sampler, adv, mask, normalizer=Z, ref_logp=ref, kl_coef=beta, kl_placement=placement,
+      pg_mask=keep)
+  np.testing.assert_allclose(jax.grad(lambda lp: loss(lp, "loss")[0])(logp),
+                             -mask * keep * adv / Z + beta * mask / Z, rtol=1e-5, atol=1e-8)
+  value, metrics = loss(logp, "reward")
+  shaped = adv - beta * (logp - ref)
+  np.testing.assert_allclose(value, -np.sum(mask * keep * shaped * logp) / Z, rtol=1e-5)
+  np.testing.assert_allclose(metrics["pg_token_fraction"], np.sum(mask * keep) / np.sum(mask),
+                             rtol=1e-6)
+  assert 0 < float(metrics["pg_token_fraction"]) < 1
+  assert float(metrics["tokens"]) == float(np.sum(mask))
+
+
 def test_kl_placements():
   logp, sampler, ref, adv, mask = map(jnp.asarray, _batch(1))
   beta = 0.3

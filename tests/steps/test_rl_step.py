@@ -54,6 +54,26 @@ def test_token_logprobs_of_active_tokens_only_skip_the_rest():
   assert np.all(np.asarray(logp)[np.asarray(active)] < 0)
 
 
+@pytest.mark.parametrize("use_active", [False, True])
+def test_token_logprobs_entropy_equals_the_full_softmax_entropy(use_active):
+  n, chunk = 12, 5
+  keys = jax.random.split(jax.random.key(2), 3)
+  hidden = 3.0 * jax.random.normal(keys[0], (n, 6))  # a spread of sharp and flat rows
+  kernel = jax.random.normal(keys[1], (6, 11))
+  targets = jax.random.randint(keys[2], (n,), 0, 11)
+  active = jnp.arange(n) % 3 != 0 if use_active else None
+  logp, entropy = token_logprobs(hidden, kernel, targets, chunk, active, with_entropy=True)
+  log_probs = jax.nn.log_softmax(hidden @ kernel)
+  want = -jnp.sum(jnp.exp(log_probs) * log_probs, -1)
+  on = np.ones(n, bool) if active is None else np.asarray(active)
+  np.testing.assert_allclose(np.asarray(entropy)[on], np.asarray(want)[on], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(logp, token_logprobs(hidden, kernel, targets, chunk, active),
+                             rtol=1e-6)
+  assert float(jnp.max(want)) > 1.0 and float(jnp.min(want)) < 0.5  # the rows differ
+  if active is not None:
+    assert np.all(np.asarray(entropy)[~on] == 0)
+
+
 def _batch(cfg, rng):
   b, t = 2, 12
   keys = jax.random.split(rng, 3)
@@ -89,6 +109,37 @@ def test_rl_loss_matches_the_closed_form_from_full_logits(small_cfg):
   replayed, aux_r = rl_loss(small_cfg, params, {**batch, "forced_routes": routes}, weights)
   np.testing.assert_allclose(replayed, loss, rtol=1e-6, atol=1e-7)
   assert float(aux_r["metrics"]["rl/replay_override_rate"]) == 0.0
+
+
+def test_min_entropy_trains_only_the_uncertain_positions(small_cfg):
+  """RLLossWeights.min_entropy: the loss is the closed form over the model tokens whose
+  next-token entropy reaches the threshold, and the others get no gradient."""
+  params = model.init_params(small_cfg, jax.random.key(1))
+  batch = _batch(small_cfg, jax.random.key(2))
+  logits = model.logits(small_cfg, params, batch["tokens"], batch["segment_ids"],
+                        batch["positions"])
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))[:, :-1]
+  entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, -1)  # [B, T - 1]
+  mask = batch["loss_mask"][:, 1:] * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+  # About half kept: midway between two neighbouring entropies, so rounding decides no token.
+  sorted_entropy = np.sort(np.asarray(entropy)[np.asarray(mask) > 0])
+  middle = len(sorted_entropy) // 2
+  threshold = float(sorted_entropy[middle - 1] + sorted_entropy[middle]) / 2
+  keep = mask * (entropy >= threshold)
+  logp = jnp.take_along_axis(log_probs, batch["tokens"][:, 1:, None], -1)[..., 0]
+  weights = RLLossWeights(normalizer=64.0, chunk_size=5, min_entropy=threshold)
+  loss, aux = rl_loss(small_cfg, params, batch, weights)
+  np.testing.assert_allclose(loss, -jnp.sum(keep * batch["advantages"][:, 1:] * logp) / 64.0,
+                             rtol=1e-5, atol=1e-6)
+  metrics = aux["metrics"]
+  np.testing.assert_allclose(metrics["rl/pg_token_fraction"], keep.sum() / mask.sum(), rtol=1e-6)
+  assert 0 < float(metrics["rl/pg_token_fraction"]) < 1
+  np.testing.assert_allclose(metrics["rl/entropy_mean"], jnp.sum(entropy * mask) / mask.sum(),
+                             rtol=1e-5)
+  # Off (0), every model token counts, as before.
+  off, _ = rl_loss(small_cfg, params, batch, RLLossWeights(normalizer=64.0, chunk_size=5))
+  np.testing.assert_allclose(off, -jnp.sum(mask * batch["advantages"][:, 1:] * logp) / 64.0,
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_rl_steps_raise_the_logp_of_positive_advantages(small_cfg):
