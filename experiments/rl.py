@@ -83,6 +83,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # +0.043 (+0.009 to +0.077), pass@4 0.109 -> 0.219: beyond noise (README "Agentic RL").
     # The whole pipeline rerun from scratch with this setting (2026-12-06, new numerics): 0.047 ->
     # 0.043 at step 60, paired change -0.004 (-0.024 to +0.016): the rise is not reproducible yet.
+    # lr 3e-4 (30 steps from that SFT checkpoint) made it worse beyond noise (0.047 -> 0.008): the
+    # sure format tokens were pushed down until no tool call parsed; rl.min_token_entropy=0.3
+    # kept them (NLL 0.053 vs 0.137) but gave no rise either (0.047 -> 0.027), so it stays off.
     # Four samples per held-out task, not two, narrow the interval's sampling part by sqrt(2);
     # evaluations at steps 0, 30 and 60 (~4 min each).
     c.optim.peak_lr = 1.5e-4

@@ -113,6 +113,7 @@ def test_engine_dtype_reaches_the_engines_not_the_learner():
 @pytest.mark.parametrize("key, value, message", [
     ("rl.backend", "mpi", "choose threads or ray"),
     ("rl.kl_placement", "both", "choose reward, loss or none"),
+    ("rl.min_token_entropy", -0.1, "it is in nats, >= 0"),
     ("rl.drop_uniform_groups", "true", "choose off, reward or outcome"),
     ("rl.group_size", 1, "group_size must be >= 2"),
     ("rl.decode_steps", 0, "must be >= 1"),
