@@ -46,9 +46,10 @@ class RLLossWeights:
   # token's score is tiny but its sign follows the rollout's advantage, and failing rollouts make
   # more turns, so these tokens are pushed down step after step; the rare samples that would
   # balance that in expectation almost never come. Measured on the tiny pipeline (README,
-  # "Agentic RL"): at lr 3e-4 the policy lost its "Next step:" turn opening and with it every
-  # tool call. Training only the uncertain positions follows Wang et al. 2025 ("Beyond the 80/20
-  # rule: high-entropy minority tokens drive effective RL").
+  # "Agentic RL"): at lr 3e-4 the policy lost its "Next step:" turn opening (31 of 32 rollouts
+  # ended without a parsable tool call); gated at 0.3 nats the format held, but the pass rate
+  # did not rise either. Training only the uncertain positions follows Wang et al. 2025 ("Beyond
+  # the 80/20 rule: high-entropy minority tokens drive effective RL").
   min_entropy: float = 0.0
 
 
