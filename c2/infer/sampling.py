@@ -36,7 +36,7 @@ class SamplingParams:
   temperature: float = 1.0  # 0: greedy
   top_p: float = 1.0
   top_k: int = 0  # 0: no limit
-  seed: int = 0
+  seed: int = 0  # in [0, 2**32): the draws are keyed by it as a uint32
   stop_token_ids: Sequence[int] = ()
   stop: Sequence[str] = ()  # stop strings (needs the engine's detokenizer)
 
@@ -49,6 +49,8 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}; reduce it modulo 2**32")
 
 
 def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,

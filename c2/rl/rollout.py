@@ -151,8 +151,10 @@ def run_rollout(spec: RolloutSpec, env: CodingEnv, generate: Generate, tokenizer
       if room < 2:
         truncated = True
         break
+      # Modulo 2**32 (the engine's seed range): rollout seeds reach 2**31, so * 1009 overflowed
+      # for every data.seed but 0 (it crashed the first rollout of a data.seed=1 run).
       request = Request(list(builder.tokens), dataclasses.replace(
-          sampling, seed=spec.seed * 1009 + turn, max_new_tokens=min(sampling.max_new_tokens, room),
+          sampling, seed=(spec.seed * 1009 + turn) % 2**32, max_new_tokens=min(sampling.max_new_tokens, room),
           stop_token_ids=(im_end,)),
           # Unique per attempt: a retried rollout must not share ids with its dead predecessor's
           # requests, which may still be running in the engine.

@@ -62,6 +62,13 @@ def test_rows_keep_their_own_settings_and_greedy_reports_model_logprobs():
   np.testing.assert_allclose(reported[0], jax.nn.log_softmax(logits[0]), atol=1e-6)
 
 
+def test_seeds_outside_the_uint32_range_are_refused_by_name():
+  sampling.SamplingParams(seed=2**32 - 1)  # the largest key the engine can pack
+  for bad in (2**32, -1):
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*32\)"):
+      sampling.SamplingParams(seed=bad)
+
+
 def test_draws_follow_the_distribution_and_depend_only_on_seed_and_position():
   logp = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
   n = 20000

@@ -16,6 +16,7 @@ from c2.envs.environment import CodingEnv
 from c2.envs.policies import OraclePolicy
 from c2.infer.engine import Result
 from c2.model.router import NOT_RECORDED
+from c2.rl.coordinator import rollout_seed
 from c2.rl.rollout import RolloutError, RolloutSpec, environment_tokens, run_rollout
 
 MOE_LAYERS, TOP_K = 2, 3  # the scripted engine's route record shape [n, Y, K]
@@ -188,6 +189,18 @@ def test_scripted_oracle_rollout_keeps_every_token_where_it_was_sampled(world):
   assert (seg.routes[-1] == UNRECORDED).all()
   # Every turn's routes were used: turn 1 fed the first environment tokens of turn 0, etc.
   assert sorted(set(first_feeder[:-1].tolist())) == [0, 1, 2]
+
+
+def test_per_turn_seeds_stay_in_the_engine_range_for_any_rollout_seed(world):
+  # rollout_seed reaches 2**31 - 2 for data.seed > 0; the per-turn seed (seed * 1009 + turn) then
+  # left uint32 and SamplingParams refused it (a data.seed=1 RL run died at its first rollout).
+  top = rollout_seed(1, 4321, 3)
+  assert top > 2**32 // 1009
+  _, _, engine, run = scripted_rollout(world, seed=top)
+  assert run().passed
+  seeds = [r.sampling.seed for r in engine.requests]
+  assert seeds == [(top * 1009 + t) % 2**32 for t in range(len(seeds))]
+  assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**32 for s in seeds)
 
 
 def test_a_reply_cut_by_max_new_tokens_is_closed_with_an_untrained_im_end(world):
