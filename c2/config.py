@@ -146,6 +146,9 @@ class RLConfig:
   groups_per_step: int = 4
   max_staleness: int = 1  # versions a token may lag the learner; 0: synchronous
   max_retries: int = 2  # per rollout whose worker died
+  # Groups dropped in a row for failed rollouts (none finishing between) that end the run with
+  # the last error: a cause that fails every rollout would otherwise burn tasks without end.
+  max_failed_groups_in_a_row: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
   max_new_tokens: int = 256  # per turn

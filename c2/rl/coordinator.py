@@ -23,6 +23,9 @@ pass rate of sampling should be read from.
 
 Faults. A rollout whose worker dies (WorkerDiedError, or any exception from the backend) is
 retried with the same seed up to `max_retries` times, then its group is dropped and counted.
+A cause that fails every rollout (a bug, a bad setting) would drop group after group for as long
+as tasks last: after `max_failed_groups_in_a_row` groups dropped that way with no group finishing
+between them, `next_batch` raises RolloutsFailingError with the last failure instead.
 Every group ends in exactly one of: trained, dropped_stale, dropped_failed, dropped_uniform;
 `accounting()` says where each started group is, and the learner asserts that nothing is lost.
 
@@ -75,6 +78,10 @@ class OutOfTasksError(RuntimeError):
   pass
 
 
+class RolloutsFailingError(RuntimeError):
+  """Groups keep being dropped because their rollouts fail: the cause is not a single worker."""
+
+
 DROP_MODES = ("off", "reward", "outcome")
 
 
@@ -99,7 +106,8 @@ class Coordinator:
                groups_per_step: int, max_staleness: int, state_dir: str,
                latest_published: Callable[[], Optional[int]], total_steps: int,
                max_retries: int = 2, seed: int = 0, curriculum: Optional[Curriculum] = None,
-               drop_uniform_groups: str = "off", poll_seconds: float = 0.02):
+               drop_uniform_groups: str = "off", max_failed_groups_in_a_row: int = 8,
+               poll_seconds: float = 0.02):
     if group_size < 2:
       raise ValueError("rl.group_size must be >= 2 (advantages are relative to the group mean)")
     self.backend, self.group_size, self.groups_per_step = backend, group_size, groups_per_step
@@ -107,6 +115,11 @@ class Coordinator:
     if drop_uniform_groups not in DROP_MODES:
       raise ValueError(f"drop_uniform_groups={drop_uniform_groups!r}; choose one of {DROP_MODES}")
     self.drop_uniform_groups = drop_uniform_groups
+    if max_failed_groups_in_a_row < 1:
+      raise ValueError(f"rl.max_failed_groups_in_a_row must be >= 1, got "
+                       f"{max_failed_groups_in_a_row}")
+    self.max_failed_groups_in_a_row = max_failed_groups_in_a_row
+    self._failed_in_a_row, self._last_failure = 0, ""
     self.latest_published, self.total_steps = latest_published, total_steps
     self.curriculum = curriculum or Curriculum()
     self.tasks = {task.task_id: task for task in tasks}
@@ -137,10 +150,13 @@ class Coordinator:
                                          daemon=True)
     self._pump_thread.start()
 
-  def next_batch(self, step: int) -> list[Group]:
+  def next_batch(self, step: int, should_stop: Optional[Callable[[], bool]] = None
+                 ) -> Optional[list[Group]]:
     """The `groups_per_step` ready groups planned for `step` (or, after drops and restarts, for
     an earlier step), oldest first; blocks until they are ready. Groups planned for later steps
-    wait for theirs: taking one early would leave an older group to go stale."""
+    wait for theirs: taking one early would leave an older group to go stale. Returns None when
+    `should_stop()` turns true while the batch is not ready (SIGTERM during a wait for rollouts:
+    the learner saves now rather than after rollouts that may take minutes)."""
     with self._lock:
       self._step = step
     while True:
@@ -158,12 +174,20 @@ class Coordinator:
           self.counters["groups_trained"] += len(batch)
           self._step = step + 1  # nothing more is planned for this step
           return batch
+        if self._failed_in_a_row >= self.max_failed_groups_in_a_row:
+          raise RolloutsFailingError(
+              f"{self._failed_in_a_row} groups in a row were dropped because a rollout failed "
+              f"{self.max_retries + 1} times, with no group finishing between them; the last "
+              f"failure: {self._last_failure}. A dead worker fails only its own rollouts: fix "
+              "the cause (rl.max_failed_groups_in_a_row sets how many such drops end the run)")
         planned_here = sum(1 for g in self._groups.values() if g.target_step <= step)
         if not self._unused and planned_here < self.groups_per_step:
           raise OutOfTasksError(
               f"no tasks left for step {step}: {len(self.trained)} groups trained, "
               f"{self.counters['groups_dropped_uniform']} dropped as uniform; give more tasks "
               "(rl.train_tasks) or fewer steps")
+      if should_stop is not None and should_stop():
+        return None
       if self._pump_thread is None:
         self.pump()
       time.sleep(self._poll)
@@ -291,6 +315,7 @@ class Coordinator:
     self._rollout_log.append({"group": group_id, "reward": rollout.reward,
                               "passed": rollout.passed, **rollout.stats})
     if group.ready:
+      self._failed_in_a_row = 0
       self.curriculum.record(group.task, group.rollouts)
       if is_uniform(group, self.drop_uniform_groups):
         self._drop(group, "dropped_uniform")  # frees its slot: _admit starts another task
@@ -300,7 +325,9 @@ class Coordinator:
       self._ready.sort()
 
   def _drop(self, group: Group, kind: str, reason: str = "") -> None:
-    del reason
+    if kind == "dropped_failed":
+      self._failed_in_a_row += 1
+      self._last_failure = f"group {group.group_id} (task {group.task.task_id}): {reason}"
     self._groups.pop(group.group_id, None)
     self._planned[group.target_step] -= 1
     self.counters[f"groups_{kind}"] += 1

@@ -175,7 +175,8 @@ def prepare(exp: ExperimentConfig, workdir: str) -> Learner:
       backend, train_tasks, group_size=rl.group_size, groups_per_step=rl.groups_per_step,
       max_staleness=rl.max_staleness, state_dir=os.path.join(workdir, "rl"),
       latest_published=store.latest_version, total_steps=exp.train.steps,
-      max_retries=rl.max_retries, seed=exp.data.seed, curriculum=curriculum,
+      max_retries=rl.max_retries, max_failed_groups_in_a_row=rl.max_failed_groups_in_a_row,
+      seed=exp.data.seed, curriculum=curriculum,
       drop_uniform_groups=rl.drop_uniform_groups)
   if meta.get("data_state"):
     coordinator.load_state_dict(meta["data_state"])
@@ -287,7 +288,12 @@ def run(exp: ExperimentConfig, workdir: str, *, max_steps: Optional[int] = None,
         if on_step is not None:
           on_step(learner, step)
         wait_start = time.time()
-        groups = learner.coordinator.next_batch(step)
+        groups = learner.coordinator.next_batch(step, should_stop=lambda: preemption.requested)
+        if groups is None:  # SIGTERM while waiting for rollouts: save now, not after them
+          if step not in learner.checkpointer.all_steps():
+            save(learner)
+          print(f"SIGTERM while waiting for rollouts: saved step {step}, exiting", flush=True)
+          break
         waited = time.time() - wait_start
         _check_staleness(groups, step, rl.max_staleness)
         step_start = time.time()

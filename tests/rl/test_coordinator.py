@@ -20,7 +20,7 @@ import pytest
 
 from c2.envs.tasks import Task
 from c2.rl.backends import Backend
-from c2.rl.coordinator import Coordinator, OutOfTasksError, rollout_seed
+from c2.rl.coordinator import Coordinator, OutOfTasksError, RolloutsFailingError, rollout_seed
 from c2.rl.rollout import Rollout, Segment
 from c2.rl.workers import WorkerDiedError
 
@@ -391,6 +391,57 @@ def test_killed_workers_fail_exactly_their_rollouts_which_are_retried(build):
     for index, _, seed in backend.submitted(group_id):
       seeds[index].add(seed)
     assert all(s == {rollout_seed(0, group_id, i)} for i, s in seeds.items())
+
+
+def test_a_cause_that_fails_every_rollout_ends_the_run_with_the_last_error(build):
+  # Before the bound, such a run dropped group after group for as long as tasks lasted (a
+  # data.seed=1 RL run spun for minutes on a seed overflow, logging tracebacks).
+  backend = FakeBackend(seed=2, fail=lambda spec, attempt: True)
+  coordinator = build(backend, make_tasks(40), Published(), max_retries=1,
+                      max_failed_groups_in_a_row=3)
+  coordinator.start(0)
+  with pytest.raises(RolloutsFailingError, match=(
+      r"(3|4|5) groups in a row were dropped because a rollout failed 2 times.*the last failure: "
+      r"group \d+ \(task t\d+\): WorkerDiedError: worker of .* \(attempt 2\).*"
+      r"rl.max_failed_groups_in_a_row")):
+    take(coordinator, 0)
+  a = check_accounting(coordinator)
+  assert a["trained"] == 0 and a["dropped_failed"] >= 3
+  # Every failed attempt was retried once, then its group dropped.
+  assert coordinator.counters["rollouts_retried"] >= 3
+  with pytest.raises(ValueError, match="max_failed_groups_in_a_row must be >= 1"):
+    build(FakeBackend(), make_tasks(4), Published(), max_failed_groups_in_a_row=0)
+
+
+def test_failures_between_finished_groups_do_not_end_the_run(build):
+  # Every rollout of every third group fails: never two such drops without a group finishing
+  # between them in the order groups are started, but harvests interleave, so the bound is 3.
+  backend = FakeBackend(seed=4, fail=lambda spec, attempt: spec.group_id % 3 == 0)
+  published = Published()
+  coordinator = build(backend, make_tasks(60), published, max_retries=0,
+                      max_failed_groups_in_a_row=3, total_steps=8)
+  coordinator.start(0)
+  ids = trained_ids(run_learner(coordinator, published, 8))
+  assert len(ids) == 16 and not any(i % 3 == 0 for i in ids)
+  assert check_accounting(coordinator)["dropped_failed"] >= 5
+
+
+def test_should_stop_ends_a_wait_for_rollouts_and_the_groups_survive_it(build):
+  backend = FakeBackend(seed=6, hold=range(100))  # no rollout finishes until released
+  published = Published()
+  coordinator = build(backend, make_tasks(40), published)
+  coordinator.start(0)
+  stop = threading.Event()
+  threading.Timer(0.2, stop.set).start()
+  started = time.perf_counter()
+  assert coordinator.next_batch(0, should_stop=stop.is_set) is None
+  assert 0.2 <= time.perf_counter() - started < STALL_SECONDS
+  before = check_accounting(coordinator)
+  assert before["in_flight"] >= GROUPS_PER_STEP and before["trained"] == 0
+  backend.release.set()  # what was in flight still finishes and is trained
+  ids = trained_ids(run_learner(coordinator, published, 2))
+  assert sorted(ids)[:GROUPS_PER_STEP] == list(range(GROUPS_PER_STEP))
+  check_accounting(coordinator)
 
 
 def test_a_group_with_old_tokens_is_dropped_not_trained(build):

@@ -6,11 +6,13 @@ here; the tiny pipeline's learning is measured by experiments/rl.py:tiny, README
                        a second invocation resumes from the checkpoint and continues
   synchronous = async  with rl.max_staleness=0 the asynchronous learner reproduces a plain
                        synchronous loop (generate with version s, train, publish) exactly
-  SIGTERM              saves learner and coordinator state and exits; the rerun resumes
+  SIGTERM              saves learner and coordinator state and exits; the rerun resumes; when
+                       it comes while the learner waits for rollouts, it saves at once
 """
 import json
 import os
 import signal
+import time
 
 import jax
 import numpy as np
@@ -143,6 +145,12 @@ def test_sigterm_saves_and_the_rerun_resumes(small_model, tokenizer_512, tmp_pat
 
   def preempt(run, step):
     if step == 1:
+      # A SIGTERM during a wait for rollouts saves at once (the next test); this one comes
+      # when step 1's batch is ready, so that step is trained before the save.
+      deadline = time.time() + 300
+      while not _batch_ready(run.coordinator, 1):
+        assert time.time() < deadline, run.coordinator.accounting()
+        time.sleep(0.05)
       os.kill(os.getpid(), signal.SIGTERM)
 
   learner.run(exp, workdir, on_step=preempt)
@@ -151,3 +159,37 @@ def test_sigterm_saves_and_the_rerun_resumes(small_model, tokenizer_512, tmp_pat
   learner.run(exp, workdir)
   step, trained = _trained_ids(workdir)
   assert step == 4 and len(set(trained)) == 8
+
+
+def _batch_ready(coordinator, step):
+  with coordinator._lock:  # pylint: disable=protected-access
+    ready = [coordinator._groups[i] for i in coordinator._ready]  # pylint: disable=protected-access
+    return sum(g.target_step <= step for g in ready) >= coordinator.groups_per_step
+
+
+def test_sigterm_while_waiting_for_rollouts_saves_at_once_and_the_rerun_resumes(
+    small_model, tokenizer_512, tmp_path):
+  from c2.rl import learner
+  exp = small_rl_experiment(small_model, tokenizer_512, heldout_tasks=0)
+  workdir = str(tmp_path / "run")
+  waited = []
+
+  def preempt(run, step):
+    if step == 1:  # step 1's rollouts take longer than the grace period: the wait is cut short
+      def slow_rollouts(step, should_stop=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 60
+        while not should_stop():
+          assert time.time() < deadline, "SIGTERM did not reach next_batch's should_stop"
+          time.sleep(0.01)
+        waited.append(step)
+        return None
+      run.coordinator.next_batch = slow_rollouts
+
+  learner.run(exp, workdir, on_step=preempt)
+  assert waited == [1]
+  step, trained = _trained_ids(workdir)
+  assert step == 1 and len(trained) == 2  # saved before step 1, not after it
+  learner.run(exp, workdir)
+  step, trained = _trained_ids(workdir)
+  assert step == 4 and len(set(trained)) == len(trained) == 8
