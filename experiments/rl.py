@@ -83,6 +83,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # +0.043 (+0.009 to +0.077), pass@4 0.109 -> 0.219: beyond noise (README "Agentic RL").
     # The whole pipeline rerun from scratch with this setting (2026-12-06, new numerics): 0.047 ->
     # 0.043 at step 60, paired change -0.004 (-0.024 to +0.016): the rise is not reproducible yet.
+    # A third run from that SFT checkpoint with data.seed=1 (2026-12-07): 0.074 -> 0.090, paired
+    # +0.016 (-0.020 to +0.052); the three pooled: +0.010 (-0.006 to +0.025).
     # lr 3e-4 (30 steps from that SFT checkpoint) made it worse beyond noise (0.047 -> 0.008): the
     # sure format tokens were pushed down until no tool call parsed; rl.min_token_entropy=0.3
     # kept them (NLL 0.053 vs 0.137) but gave no rise either (0.047 -> 0.027), so it stays off.
