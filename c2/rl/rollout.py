@@ -153,8 +153,9 @@ def run_rollout(spec: RolloutSpec, env: CodingEnv, generate: Generate, tokenizer
         break
       # Modulo 2**32 (the engine's seed range): rollout seeds reach 2**31, so * 1009 overflowed
       # for every data.seed but 0 (it crashed the first rollout of a data.seed=1 run).
+      turn_seed = (spec.seed * 1009 + turn) % 2**32
       request = Request(list(builder.tokens), dataclasses.replace(
-          sampling, seed=(spec.seed * 1009 + turn) % 2**32, max_new_tokens=min(sampling.max_new_tokens, room),
+          sampling, seed=turn_seed, max_new_tokens=min(sampling.max_new_tokens, room),
           stop_token_ids=(im_end,)),
           # Unique per attempt: a retried rollout must not share ids with its dead predecessor's
           # requests, which may still be running in the engine.
