@@ -48,7 +48,7 @@ def test_readme_train_and_aot_commands_parse(monkeypatch):
       parsed[module].append(c2.eval.parse_args(args))
   assert [e.name for e in parsed["c2.main"]] == ["pretrain-tiny", "rl-tiny"]
   rl = parsed["c2.main"][1]
-  assert rl.phase == "rl" and rl.train.init_from == "runs/sft-agentic/ckpt"
+  assert rl.phase == "rl" and rl.train.init_from == "runs/sft-agentic-5/ckpt"
   topologies = [topology for _, topology in parsed["c2.aot"]]
   assert "tpu7x:8x16x16" in topologies and "v5p:16x16x16" in topologies
   two_slices = [e for e, t in parsed["c2.aot"] if e.mesh.num_slices == 2]
