@@ -11,9 +11,10 @@
 # Options:
 #   --sft-rounds N   tool-use SFT runs of 140 steps, each from the last (default 5). The first
 #                    (first two, when N >= 3) on the oracle transcripts; every later one on
-#                    fresh recovery transcripts (--slip-fraction 0.5) of its own task seed 0, 1,
-#                    2, ... Held-out greedy pass rate after 3 / 5 rounds 0.055 / 0.289 (128
-#                    tasks; 0.266 with rounds 4-5 on round 3's data: README "Agentic RL")
+#                    recovery transcripts (--slip-fraction 0.5) of the next task seed: 0 (the
+#                    oracle rounds' tasks), 1, 2, ... Held-out greedy pass rate after 3 / 5
+#                    rounds 0.055 / 0.289 (128 tasks; 0.266 with rounds 4-5 on round 3's data:
+#                    README "Agentic RL")
 #   --dry-run        print the commands instead of running them
 # Uses $C2_PYTHON (default python3); runs in the repo root.
 

@@ -15,7 +15,7 @@ def _flag(argv, name):
   return value
 
 
-def test_five_sft_rounds_chain_their_checkpoints_and_later_ones_use_fresh_recovery_data(launch):
+def test_five_sft_rounds_chain_and_the_last_three_use_recovery_data_of_seeds_0_1_2(launch):
   out = launch("agentic_pipeline.sh", "--dry-run", "--", "--config.train.steps=7").stdout
   argvs = commands(out)
   assert [_modules(a) for a in argvs] == ["c2.main", "c2.envs.transcripts"] + ["c2.main"] * 5 + [
