@@ -15,11 +15,11 @@ def _flag(argv, name):
   return value
 
 
-def test_five_sft_rounds_chain_and_the_last_three_share_one_set_of_recovery_data(launch):
+def test_five_sft_rounds_chain_and_the_last_three_use_recovery_data_of_seeds_0_1_2(launch):
   out = launch("agentic_pipeline.sh", "--dry-run", "--", "--config.train.steps=7").stdout
   argvs = commands(out)
-  assert [_modules(a) for a in argvs] == ["c2.main", "c2.envs.transcripts"] + ["c2.main"] * 3 + [
-      "c2.envs.transcripts"] + ["c2.main"] * 6
+  assert [_modules(a) for a in argvs] == ["c2.main", "c2.envs.transcripts"] + ["c2.main"] * 5 + [
+      "c2.envs.transcripts", "c2.main"] * 3 + ["c2.main"]
   runs = {}
   for argv in argvs:
     if _modules(argv) == "c2.main":
@@ -33,16 +33,17 @@ def test_five_sft_rounds_chain_and_the_last_three_share_one_set_of_recovery_data
     exp, _ = runs[workdir]
     assert exp.train.init_from == f"{previous}/ckpt", workdir
     assert exp.data.tokenizer == "runs/tiny/tokenizer.json"
-  for workdir in ("runs/sft-agentic", "runs/sft-agentic-2"):
-    assert runs[workdir][0].data.source == "jsonl:runs/agentic-data/{split}-*.jsonl"
-  for workdir in ("runs/sft-agentic-3", "runs/sft-agentic-4", "runs/sft-agentic-5"):
-    assert runs[workdir][0].data.source == "jsonl:runs/agentic-slip/{split}-*.jsonl"
+  assert runs["runs/sft-agentic-2"][0].data.source == "jsonl:runs/agentic-data/{split}-*.jsonl"
+  slip_dirs = {"runs/sft-agentic-3": "runs/agentic-slip",
+               "runs/sft-agentic-4": "runs/agentic-slip-s1",
+               "runs/sft-agentic-5": "runs/agentic-slip-s2"}
+  for workdir, slip_dir in slip_dirs.items():
+    assert runs[workdir][0].data.source == f"jsonl:{slip_dir}/{{split}}-*.jsonl"
     assert runs[workdir][0].train.steps == 140
-    assert runs[workdir][0].train.mtp_weight > 0  # the MTP loss helps the tiny SFT policy
   assert runs["runs/rl-tiny"][0].train.steps == 7   # the overrides reach the RL run only
   slips = [a for a in argvs if "--slip-fraction" in a]
   assert [(s[s.index("--out") + 1], s[s.index("--seed") + 1], s[s.index("--slip-fraction") + 1])
-          for s in slips] == [("runs/agentic-slip", "0", "0.5")]
+          for s in slips] == [(d, str(seed), "0.5") for seed, d in enumerate(slip_dirs.values())]
   # Every transcripts flag the script passes is one the module accepts.
   usage = subprocess.run([sys.executable, "-m", "c2.envs.transcripts", "--help"], cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True).stdout
