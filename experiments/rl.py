@@ -89,7 +89,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # A third run from that SFT checkpoint with data.seed=1 (2026-12-07): 0.074 -> 0.090, paired
     # +0.016 (-0.020 to +0.052); the three pooled: +0.010 (-0.006 to +0.025). From the stronger
     # five-round SFT policy (2026-12-07): 0.219 -> 0.262, paired +0.043 (+0.006 to +0.080), and
-    # with data.seed=3 0.180 -> 0.203, +0.023 (-0.014 to +0.061); pooled +0.033 (+0.007 to +0.060).
+    # with data.seed=3 0.180 -> 0.203, +0.023 (-0.014 to +0.061), with data.seed=1 0.266 -> 0.309,
+    # +0.043 (+0.006 to +0.080); pooled +0.037 (+0.015 to +0.058). From the control SFT policy
+    # (rounds 4-5 on seed 0's transcripts again): 0.152 -> 0.156, +0.004 (-0.035 to +0.042).
     # lr 3e-4 (30 steps from that SFT checkpoint) made it worse beyond noise (0.047 -> 0.008): the
     # sure format tokens were pushed down until no tool call parsed; rl.min_token_entropy=0.3
     # kept them (NLL 0.053 vs 0.137) but gave no rise either (0.047 -> 0.027), so it stays off.
