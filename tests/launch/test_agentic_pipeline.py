@@ -10,11 +10,6 @@ def _modules(argv):
   return argv[argv.index("-m") + 1]
 
 
-def _flag(argv, name):
-  (value,) = [a.split("=", 1)[1] for a in argv if a.startswith(f"--config.{name}=")]
-  return value
-
-
 def test_five_sft_rounds_chain_and_the_last_three_use_recovery_data_of_seeds_0_1_2(launch):
   out = launch("agentic_pipeline.sh", "--dry-run", "--", "--config.train.steps=7").stdout
   argvs = commands(out)
