@@ -86,10 +86,6 @@ class OptimConfig:
 class TrainConfig:
   steps: int = 1000
   max_minutes: Optional[float] = None  # stop (and save) after this much wall time
-  # Stop (and save) at the first evaluation whose held-out CE is at or below this: a phase that
-  # trains until a skill forms (the copy drills' induction circuit, whose step varies by run).
-  # A rerun of such a finished run evaluates once and returns. None: run all train.steps.
-  stop_at_eval_ce: Optional[float] = None
   log_every: int = 10
   eval_every: int = 200
   eval_batches: int = 8

@@ -299,11 +299,6 @@ def _log_train_metrics(run: Run, writer: MetricWriter, bar, step: int, metrics, 
   return metrics
 
 
-def _reached_target_ce(exp: ExperimentConfig, metrics: dict) -> bool:
-  target = exp.train.stop_at_eval_ce
-  return target is not None and "eval/ce" in metrics and float(metrics["eval/ce"]) <= target
-
-
 def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
   """Steps from the state's step to last_step, logging, evaluating and saving on schedule.
   Runs under transfer_guard("disallow"): an implicit host<->device copy raises."""
@@ -311,14 +306,6 @@ def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
   step = int(jax.device_get(run.state.step))
   metrics, last_checked, started = {}, step, time.time()
   throughput = _Throughput(exp)
-  if exp.train.stop_at_eval_ce is not None and 0 < step < last_step:
-    # A rerun of a run that stopped at its target: the evaluation decides again (no marker file
-    # to go stale), at the cost of one evaluation per resume.
-    with program.context():
-      reached_target = _reached_target_ce(exp, _log_evaluation(run, writer, step, print))
-    if reached_target:
-      print(f"held-out CE at or below train.stop_at_eval_ce at step {step}: finished", flush=True)
-      return {}
   bar = tqdm.tqdm(total=last_step, initial=step, disable=not run.is_primary, dynamic_ncols=True)
   with Preemption() as preemption, program.context(), jax.transfer_guard("disallow"):
     while step < last_step:
@@ -333,21 +320,15 @@ def train_loop(run: Run, writer: MetricWriter, last_step: int) -> dict:
       if step % exp.train.log_every == 0 or stop:
         metrics = _log_train_metrics(run, writer, bar, step, metrics, throughput, last_checked)
         last_checked = step
-      reached_target = False
       if step % exp.train.eval_every == 0 or stop:
         metrics = {**metrics, **_log_evaluation(run, writer, step, tqdm.tqdm.write)}
-        reached_target = _reached_target_ce(exp, metrics)
-        stop = stop or reached_target
       if exp.train.eval_suites and (step % (exp.train.eval_suites_every or exp.train.eval_every)
                                     == 0 or stop):
         metrics = {**metrics, **run_eval_suites(run, writer, step)}
       if step % exp.checkpoint.every_steps == 0 or stop:
         run.checkpointer.save(run.state, data_state=run.train_iter.get_state(), force=stop)
       if stop:
-        if reached_target:
-          print(f"held-out CE {metrics['eval/ce']:.4f} <= train.stop_at_eval_ce at step {step}; "
-                "saved", flush=True)
-        elif preemption.requested:
+        if preemption.requested:
           print(f"SIGTERM: saved step {step}, exiting", flush=True)
         elif out_of_time:
           print(f"time budget of {exp.train.max_minutes} min reached at step {step}; saved",

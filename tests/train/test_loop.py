@@ -147,22 +147,3 @@ def test_eval_at_start_scores_the_start_checkpoint_at_step_0(small_experiment, t
   at_start = [r["eval/ce"] for r in rows if r.get("step") == 0 and "eval/ce" in r]
   assert at_start == [pytest.approx(base["eval/ce"], rel=1e-5)]
   assert [r["step"] for r in rows if "eval/ce" in r] == [0, 2]
-
-
-def test_stop_at_eval_ce_stops_at_the_first_evaluation_at_target_and_stays_stopped(
-    small_experiment, tmp_path, capsys):
-  """A target every evaluation meets stops the run at the first one (step 2 of 6), saved; a
-  rerun evaluates once and returns without a step; no target runs every step."""
-  build, seed_dir = small_experiment
-  saved_steps = lambda d: sorted(int(n.name) for n in (d / "ckpt").iterdir() if n.name.isdigit())
-  reached = build(**{"train.steps": 6, "train.eval_every": 2, "train.stop_at_eval_ce": 1e3})
-  metrics = train.run(reached, seed_dir(tmp_path / "reached"))
-  assert metrics["eval/ce"] <= 1e3
-  assert saved_steps(tmp_path / "reached") == [2]
-  assert "<= train.stop_at_eval_ce at step 2" in capsys.readouterr().out
-  assert train.run(reached, str(tmp_path / "reached")) == {}
-  assert "train.stop_at_eval_ce at step 2: finished" in capsys.readouterr().out
-  assert saved_steps(tmp_path / "reached") == [2]
-  unreachable = build(**{"train.steps": 6, "train.eval_every": 2, "train.stop_at_eval_ce": 0.0})
-  train.run(unreachable, seed_dir(tmp_path / "unreachable"))
-  assert saved_steps(tmp_path / "unreachable")[-1] == 6
