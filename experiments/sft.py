@@ -45,12 +45,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   elif variant == "agentic":
     # Tool-use SFT before RL (experiments/rl.py): the oracle's transcripts of generated tasks,
     # `python -m c2.envs.transcripts --out runs/agentic-data ...`. Transcripts are 700-1,300
-    # tokens (a file read is most of them), so rows are long and few. Rows of 2,048 hold 1.91
-    # of them on average (first-fit packing) and are 89% tokens; rows of 1,536 held one, 62%:
-    # 3 x 2,048 trains 5.7 transcripts per step in 1.30 s, 6 x 1,536 trains 6 in 1.62 s
-    # (2026-12-07, this machine, 40 steps each).
-    c.data.update(source="jsonl:runs/agentic-data/{split}-*.jsonl", seq_len=2048,
-                  global_batch_size=3)
+    # tokens (a file read is most of them), so rows are long and few.
+    c.data.update(source="jsonl:runs/agentic-data/{split}-*.jsonl", seq_len=1536,
+                  global_batch_size=6)
     c.optim.update(peak_lr=2e-3, warmup_steps=5)
     # The head projects only the assistant's tokens (~15% of a row; ce_weighted_only). The MTP
     # loss stays on although the tiny RL run decodes without MTP drafts: without it the five
