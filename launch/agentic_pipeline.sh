@@ -14,7 +14,8 @@
 #                    recovery transcripts (--slip-fraction 0.5) of the next task seed: 0 (the
 #                    oracle rounds' tasks), 1, 2, ... Held-out greedy pass rate after 3 / 5
 #                    rounds 0.055 / 0.289 (128 tasks; 0.266 with rounds 4-5 on round 3's data:
-#                    README "Agentic RL")
+#                    README "Agentic RL"). One lucky draw: with the SFT's data order changed
+#                    (data.seed 1 / 2) the five rounds passed 0.008 / 0.055
 #   --dry-run        print the commands instead of running them
 # Uses $C2_PYTHON (default python3); runs in the repo root.
 
