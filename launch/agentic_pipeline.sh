@@ -86,7 +86,8 @@ main() {
     if ((round > oracle_rounds)); then
       # A fresh task seed per round (0.8 minutes of transcripts each): RL rose from this policy
       # (+0.043, +0.023, +0.043 over three seeds), not from the one trained on seed 0 thrice
-      # (+0.004; README "Agentic RL"). Seed 0 keeps the three-round pipeline's directory name.
+      # (+0.004; README "Agentic RL"); one SFT draw each, and SFT draws vary widely (the help
+      # above). Seed 0 keeps the three-round pipeline's directory name.
       seed=$((round - oracle_rounds - 1))
       slip_dir=runs/agentic-slip; ((seed == 0)) || slip_dir=runs/agentic-slip-s$seed
       transcripts "transcripts-slip-$seed" "$slip_dir" --count 1200 --heldout-count 300 \
