@@ -95,6 +95,9 @@ class TrainConfig:
   # of a row is context (tool-use SFT, RL); gathers over the token axis, so not on a sharded mesh.
   ce_weighted_only: bool = False
   z_loss_weight: float = 0.0
+  # Focal CE: each token's CE scaled by (1 - p(target))^focal_gamma, detached (c2/losses/head.py);
+  # 0 is plain CE. The metrics stay the plain CE.
+  focal_gamma: float = 0.0
   mtp_weight: float = 0.3
   mtp_loss: str = "distill"  # distill (KL to the main head) | ce | distill+ce
   mtp_detach_trunk: bool = True  # the MTP loss trains only the MTP modules
@@ -382,6 +385,8 @@ def _cross_validate(exp: ExperimentConfig) -> None:
   for name in ("log_every", "eval_every", "eval_batches", "steps", "ce_chunk_size"):
     if getattr(train, name) <= 0:
       raise ConfigError(f"config.train.{name} must be positive")
+  if train.focal_gamma < 0:
+    raise ConfigError(f"config.train.focal_gamma={train.focal_gamma} must be >= 0 (0: plain CE)")
   if train.init_from_optimizer and not train.init_from:
     raise ConfigError("config.train.init_from_optimizer=True needs config.train.init_from (the "
                       "checkpoint whose optimizer state to load)")

@@ -136,3 +136,9 @@ def test_bad_rl_environment_key_is_named():
   c = load_experiment("experiments/rl.py:tiny")
   c.env.tools.enabled = "read_file,edit_file"
   assert "finish" in _error(c)
+
+
+def test_negative_focal_gamma_names_the_field():
+  raw = _tiny().to_dict()
+  raw["train"]["focal_gamma"] = -1.0
+  assert "config.train.focal_gamma=-1.0 must be >= 0" in _error(raw)

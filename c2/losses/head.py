@@ -17,13 +17,19 @@ The MTP hidden states come aligned to the main position whose next token they pr
 state at position n - k (see `align_mtp`), so a token's teacher distribution, target and student
 share one chunk, and the MTP target is the main target.
 
-Losses (w per-token weights, z logits, p = softmax(main), q_k = softmax(MTP depth k)):
-  main    sum_n w_n (lse_n - z_n[t_n] + z_weight lse_n^2) / sum_n w_n
+Losses (w per-token weights, z logits, p = softmax(main), q_k = softmax(MTP depth k),
+f_n = (1 - p_n[t_n])^focal_gamma held constant, 1 by default):
+  main    sum_n w_n (f_n (lse_n - z_n[t_n]) + z_weight lse_n^2) / sum_n w_n
   mtp k   mtp_weight / M * sum_n w_kn ([distill] KL(p_n || q_kn) + [ce] (lse_kn - z_kn[t_n]))
           / sum_n w_kn
 Gradients wrt logits (c = the weight over its normaliser, times mtp_weight / M for MTP):
-  main    c_n (p_n - onehot(t_n) + 2 z_weight lse_n p_n)
+  main    c_n (f_n (p_n - onehot(t_n)) + 2 z_weight lse_n p_n)
   mtp k   c_kn ([distill] (q_kn - p_n) + [ce] (q_kn - onehot(t_n)))   (teacher p is a constant)
+The focal factor (Lin et al. 2017, here detached: a per-token weight, not differentiated) moves the
+main term's gradient onto the tokens the model still gets wrong. In tool-use SFT nearly every
+trained token is determined by its context and learned early, and the few that decide a task
+(the new value in an edit's replacement) are a rounding error of the mean CE; see
+experiments/sft.py. The CE metrics stay the plain CE.
 The head gets gradient from the main loss, and from the MTP CE when `mtp_trains_head`; never from
 the KL (that would pull the main head toward its own MTP student).
 
@@ -52,6 +58,7 @@ class HeadLossSpec:
   mtp_ce: bool = False
   mtp_trains_head: bool = True
   weighted_only: bool = False  # skip the chunks of tokens without weight (see the module doc)
+  focal_gamma: float = 0.0  # main CE term scaled by the detached (1 - p_n(t_n))^gamma (0: plain)
 
 
 def align_mtp(mtp_hidden: jax.Array, mtp_weights: jax.Array, depth: int):
@@ -108,12 +115,14 @@ def _chunk_step(spec: HeadLossSpec, with_grads: bool, kernel, h, t, w, c, s, ws,
   target_logit = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)
   argmax = jnp.argmax(logits, axis=-1)
   ce = lse - target_logit
-  objective = jnp.sum(c * (ce + spec.z_loss_weight * jnp.square(lse)))
+  focal = (-jnp.expm1(-ce)) ** spec.focal_gamma if spec.focal_gamma else jnp.ones_like(ce)
+  objective = jnp.sum(c * (focal * ce + spec.z_loss_weight * jnp.square(lse)))
   metrics = {"ce_sum": jnp.sum(w * ce), "z_loss_sum": spec.z_loss_weight * jnp.sum(w * lse**2),
              "correct_sum": jnp.sum(w * (argmax == t)), "weight_sum": jnp.sum(w)}
   grads = None
   if with_grads:
-    d_logits = c[:, None] * (p - onehot + 2.0 * spec.z_loss_weight * lse[:, None] * p)
+    d_logits = c[:, None] * (focal[:, None] * (p - onehot)
+                             + 2.0 * spec.z_loss_weight * lse[:, None] * p)
     d_logits = d_logits.astype(dtype)
     d_h = jnp.einsum("NV,DV->ND", d_logits, kernel, preferred_element_type=jnp.float32)
     d_kernel = jnp.einsum("ND,NV->DV", h, d_logits, preferred_element_type=jnp.float32)

@@ -33,6 +33,7 @@ class LossWeights:
   mtp_detach_trunk: bool = True  # MTP gradients stop at the trunk's hidden state
   balance_loss_weight: float = 0.0
   ce_weighted_only: bool = False  # project only weighted tokens (HeadLossSpec.weighted_only)
+  focal_gamma: float = 0.0  # HeadLossSpec.focal_gamma
 
 
 def _safe_div(a, b):
@@ -86,7 +87,8 @@ def lm_loss(cfg: ModelConfig, params: Any, batch: dict, weights: LossWeights,
       chunk_size=weights.ce_chunk_size, z_loss_weight=weights.z_loss_weight,
       mtp_weight=weights.mtp_weight if use_mtp else 0.0,
       mtp_distill="distill" in weights.mtp_loss, mtp_ce="ce" in weights.mtp_loss.split("+"),
-      mtp_trains_head=not detach, weighted_only=weights.ce_weighted_only)
+      mtp_trains_head=not detach, weighted_only=weights.ce_weighted_only,
+      focal_gamma=weights.focal_gamma)
   loss, sums = head_loss.head_loss(spec, _flat(out["hidden"]), head, _flat(targets),
                                    _flat(target_w), mtp_hidden, mtp_w)
   metrics = {"ce": _safe_div(sums["ce_sum"], sums["weight_sum"]),

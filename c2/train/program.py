@@ -58,7 +58,7 @@ def step_context(exp: ExperimentConfig, optimizer: optim.Optimizer) -> StepConte
                         mtp_weight=t.mtp_weight, mtp_loss=t.mtp_loss,
                         mtp_detach_trunk=t.mtp_detach_trunk,
                         balance_loss_weight=t.balance_loss_weight,
-                        ce_weighted_only=t.ce_weighted_only)
+                        ce_weighted_only=t.ce_weighted_only, focal_gamma=t.focal_gamma)
   return StepContext(model=exp.model, tx=optimizer.tx, loss_weights=weights,
                      bias_update_rate=t.bias_update_rate, schedule=optimizer.schedule,
                      rl=rl_loss_weights(exp) if exp.phase == "rl" else None)

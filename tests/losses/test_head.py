@@ -28,7 +28,9 @@ def _reference(spec, hidden, kernel, targets, weights, mtp, mtp_w):
   logits = hidden @ kernel
   lse = jax.nn.logsumexp(logits, -1)
   ce = lse - jnp.take_along_axis(logits, targets[:, None], -1)[:, 0]
-  total = jnp.sum(weights * (ce + spec.z_loss_weight * lse**2)) / jnp.maximum(weights.sum(), 1)
+  focal = jax.lax.stop_gradient((1.0 - jnp.exp(-ce)) ** spec.focal_gamma)
+  total = jnp.sum(weights * (focal * ce + spec.z_loss_weight * lse**2)) / jnp.maximum(
+      weights.sum(), 1)
   log_p = jax.lax.stop_gradient(jax.nn.log_softmax(logits))
   depths = mtp.shape[1]
   for k in range(depths):
@@ -52,6 +54,9 @@ SPECS = {
     "distill+ce": HeadLossSpec(chunk_size=64, mtp_weight=0.4, mtp_ce=True),
     "distill+ce,frozen head": HeadLossSpec(chunk_size=3, mtp_weight=0.4, mtp_ce=True,
                                            mtp_trains_head=False),
+    "focal": HeadLossSpec(chunk_size=8, focal_gamma=2.0),
+    "focal+z+distill": HeadLossSpec(chunk_size=7, z_loss_weight=0.1, mtp_weight=0.3,
+                                    focal_gamma=1.5),
 }
 
 
@@ -133,6 +138,28 @@ def test_metrics_closed_forms_on_uniform_logits():
   np.testing.assert_allclose(m["mtp_accept_sum"], mtp_w.sum(0), rtol=1e-6)
   np.testing.assert_allclose(m["mtp_ce_sum"], mtp_w.sum(0) * np.log(V), rtol=1e-6)
   np.testing.assert_allclose(m["mtp_weight_sum"], mtp_w.sum(0))
+
+
+def test_focal_closed_forms():
+  """Uniform logits: each token's term is (1 - 1/V)^gamma log V. A token predicted with
+  probability ~1 adds ~nothing to the objective or the gradient; the CE metric is the plain CE."""
+  spec = HeadLossSpec(chunk_size=4, focal_gamma=2.0)
+  hidden, _, targets, weights, _, _ = _inputs(10, 0)
+  value, m = head_loss.head_loss(spec, hidden, jnp.zeros((D, V)), targets, weights)
+  np.testing.assert_allclose(value, (1 - 1 / V) ** 2 * np.log(V), rtol=1e-6)
+  np.testing.assert_allclose(m["ce_sum"], float(weights.sum()) * np.log(V), rtol=1e-6)
+
+  # Two tokens: one predicted at p ~ 1 (logit margin 30), one at uniform; weights 1 each.
+  kernel = jnp.zeros((D, V)).at[0, 3].set(30.0)
+  hidden2 = jnp.zeros((2, D)).at[0, 0].set(1.0)  # token 0 sees the margin, token 1 uniform
+  targets2, weights2 = jnp.array([3, 5]), jnp.ones((2,))
+  loss = lambda h, gamma: head_loss.head_loss(HeadLossSpec(chunk_size=2, focal_gamma=gamma), h,
+                                              kernel, targets2, weights2)[0]
+  np.testing.assert_allclose(loss(hidden2, 2.0), (1 - 1 / V) ** 2 * np.log(V) / 2, rtol=1e-5)
+  grads = jax.grad(loss)(hidden2, 2.0)
+  plain = jax.grad(loss)(hidden2, 0.0)
+  assert float(jnp.abs(grads[0]).max()) < 1e-20 < float(jnp.abs(grads[1]).max())
+  np.testing.assert_allclose(grads[1], (1 - 1 / V) ** 2 * plain[1], rtol=1e-5)
 
 
 def test_metrics_match_numpy():
