@@ -51,25 +51,39 @@ def _reply(calls: Sequence[dict], reasoning: str, as_text: bool, thinking: bool)
       for i, (name, arguments) in enumerate(pairs)]}
 
 
-def slipped_edit(call: dict) -> dict:
-  """An edit_file call that cannot apply: it searches for its own replacement text.
+SLIP_KINDS = ("search_is_replacement", "replacement_is_search")
 
-  The commonest mistake of a small sampled policy (measured on the tiny SFT model): it copies the
-  new text (the prompt's value, the new name) where the file's current text belongs. The
-  environment answers "the search text does not occur", so a transcript with a slip then shows
-  how to recover from the error.
+
+def slipped_edit(call: dict, kind: str = "search_is_replacement") -> dict:
+  """An edit_file call that cannot apply, of one of the two mistakes of a small sampled policy
+  (both measured on the tiny SFT models): it copies the new text where the old belongs or the
+  old where the new belongs.
+
+    search_is_replacement  it searches for its own replacement text: "the search text does not
+                           occur" (the prompt's value or the new name copied into `search`).
+    replacement_is_search  its replacement is its search text: "search and replace are
+                           identical" (the file's current text copied into `replace`; the
+                           failure of 50-62 of 64 held-out set_constant tasks in the policies
+                           that pass few of them).
+  A transcript with a slip then shows how to recover from the error.
   """
   arguments = call["arguments"]
-  return {"name": "edit_file", "arguments": {**arguments, "search": arguments["replace"]}}
+  if kind == "search_is_replacement":
+    return {"name": "edit_file", "arguments": {**arguments, "search": arguments["replace"]}}
+  if kind == "replacement_is_search":
+    return {"name": "edit_file", "arguments": {**arguments, "replace": arguments["search"]}}
+  raise ValueError(f"unknown slip kind {kind!r}; choose from {SLIP_KINDS}")
 
 
 class OraclePolicy:
   """Replays task.solution. With `slip_seed` set, one edit_file call (chosen by that seed) is
-  preceded by a slipped_edit of itself; `slip_turns` then lists the reply indices of the slips,
-  so a transcript can keep them as context without training on them (weight 0)."""
+  preceded by a slipped_edit of itself, of a kind drawn from `slip_kinds` by the same seed;
+  `slip_turns` then lists the reply indices of the slips, so a transcript can keep them as
+  context without training on them (weight 0)."""
 
   def __init__(self, task: Task, *, as_text: bool = True, thinking: bool = True,
-               slip_seed: Optional[int] = None):
+               slip_seed: Optional[int] = None,
+               slip_kinds: Sequence[str] = ("search_is_replacement",)):
     if not task.solution:
       raise ValueError(f"task {task.task_id} has no oracle solution (external tasks have none)")
     solution = list(task.solution)
@@ -80,8 +94,11 @@ class OraclePolicy:
              and c["arguments"]["replace"] not in c["arguments"]["search"]]
     slip = None
     if slip_seed is not None and edits:
-      at = edits[random.Random(slip_seed).randrange(len(edits))]
-      slip = slipped_edit(solution[at])
+      draw = random.Random(slip_seed)
+      at = edits[draw.randrange(len(edits))]
+      # The kind is drawn after the edit, so one kind alone slips the edits it always did.
+      kind = slip_kinds[draw.randrange(len(slip_kinds))] if len(slip_kinds) > 1 else slip_kinds[0]
+      slip = slipped_edit(solution[at], kind)
       solution.insert(at, slip)
     self._turns = list(_turns(solution))
     if slip is not None:  # an edit is a turn of its own (_turns)

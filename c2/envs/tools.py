@@ -189,6 +189,12 @@ class Tools:
     if count > 1:
       raise ToolError(f"edit_file: the search text occurs {count} times in {path}; include more "
                       "surrounding lines so that it is unique")
+    if search == replace:
+      # As real agent tools answer it (a no-op edit is a mistake, not a success): the commonest
+      # failure of the tiny SFT policies is a replacement copied from its search text, which a
+      # silent "edited" would let them finish on.
+      raise ToolError("edit_file: `search` and `replace` are identical, so nothing would change; "
+                      "put the new text in `replace`")
     target.write_text(text.replace(search, replace, 1))
     self.code_written.append(replace)
     return f"edited {path}"

@@ -11,9 +11,10 @@ SFT pipeline reads (c2/data/examples.py): system, user task, then assistant turn
 calls and the tools' real outputs. Files are written as {split}-00000.jsonl for the train and
 heldout splits of the generator.
 
-`--slip-fraction F`: in a fraction F of the transcripts one edit is first made wrongly (its search
-text is its replacement, the commonest mistake of the sampled tiny policy) and fails; the oracle
-then makes it right. The failed reply carries "weight": 0, so SFT trains the recovery from the
+`--slip-fraction F`: in a fraction F of the transcripts one edit is first made wrongly and fails;
+the oracle then makes it right. `--slip-kinds` names the mistakes drawn from
+(policies.slipped_edit): by default its search text is its replacement; `replacement_is_search`
+makes the replacement its search text, which the edit tool rejects as a no-op. The failed reply carries "weight": 0, so SFT trains the recovery from the
 error, never the mistake. Without such transcripts a policy that makes one wrong call has seen no
 example of what follows an error, and its later calls degenerate (measured on the tiny model).
 """
@@ -29,13 +30,14 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from c2.envs import task_generator
 from c2.envs.environment import CodingEnv, EnvConfig
-from c2.envs.policies import OraclePolicy, run_episode
+from c2.envs.policies import SLIP_KINDS, OraclePolicy, run_episode
 from c2.envs.tasks import SPLITS, Task
 from c2.envs.tools import ToolConfig
 
 
 def oracle_transcript(task: Task, config: EnvConfig = EnvConfig(),
-                      slip_seed: Optional[int] = None) -> dict:
+                      slip_seed: Optional[int] = None,
+                      slip_kinds: Sequence[str] = ("search_is_replacement",)) -> dict:
   """One SFT record from the oracle's rollout of `task` (raises if it does not score 1.0).
 
   With `slip_seed`, one edit is first tried wrongly (policies.slipped_edit) and then right: the
@@ -44,7 +46,8 @@ def oracle_transcript(task: Task, config: EnvConfig = EnvConfig(),
   """
   env = CodingEnv(task, config)
   tools = env.tool_schemas()
-  policy = OraclePolicy(task, as_text=False, thinking=config.thinking, slip_seed=slip_seed)
+  policy = OraclePolicy(task, as_text=False, thinking=config.thinking, slip_seed=slip_seed,
+                        slip_kinds=slip_kinds)
   episode = run_episode(env, policy)
   if episode.reward.task != 1.0:
     raise RuntimeError(f"task {task.task_id}: the oracle scored {episode.reward.task}, not 1.0; "
@@ -73,14 +76,15 @@ def slip_seed_of(task: Task, seed: int, slip_fraction: float) -> Optional[int]:
 
 def oracle_transcripts(tasks: Iterable[Task], config: EnvConfig = EnvConfig(),
                        workers: int = 4, slip_fraction: float = 0.0,
-                       seed: int = 0) -> Iterator[dict]:
+                       seed: int = 0,
+                       slip_kinds: Sequence[str] = ("search_is_replacement",)) -> Iterator[dict]:
   """Transcripts in task order; rollouts run `workers` at a time (most of their time is spent
   waiting for sandboxed subprocesses). A `slip_fraction` of them recover from a slipped edit."""
   if not 0.0 <= slip_fraction <= 1.0:
     raise ValueError(f"slip_fraction must be in [0, 1], got {slip_fraction}")
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     yield from pool.map(lambda task: oracle_transcript(
-        task, config, slip_seed_of(task, seed, slip_fraction)), tasks)
+        task, config, slip_seed_of(task, seed, slip_fraction), slip_kinds), tasks)
 
 
 def write_split(path: str, records: Iterable[dict]) -> int:
@@ -112,6 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="fraction of transcripts in which one edit is first tried with its "
                            "replacement as the search text, fails, and is then made right (the "
                            "failed reply is kept with weight 0: context, not trained on)")
+  parser.add_argument("--slip-kinds", default="search_is_replacement",
+                      help=f"comma-separated kinds a slip is drawn from (policies.slipped_edit: "
+                           f"{', '.join(SLIP_KINDS)})")
   parser.add_argument("--levels", default=None,
                       help="comma-separated levels of task_generator.LADDER (default: all)")
   args = parser.parse_args(argv)
@@ -120,6 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.tools:
     config = dataclasses.replace(config, tools=ToolConfig(enabled=tuple(args.tools.split(","))))
   levels = tuple(int(v) for v in args.levels.split(",")) if args.levels else None
+  slip_kinds = tuple(args.slip_kinds.split(","))
+  unknown = sorted(set(slip_kinds) - set(SLIP_KINDS))
+  if unknown:
+    parser.error(f"--slip-kinds: unknown {', '.join(unknown)}; choose from {', '.join(SLIP_KINDS)}")
   counts = {"train": args.count, "heldout": args.heldout_count or max(1, args.count // 4)}
   for split in SPLITS:
     tasks = task_generator.generate(args.seed, counts[split], split=split,
@@ -127,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = os.path.join(args.out, f"{split}-00000.jsonl")
     written = write_split(path, oracle_transcripts(tasks, config, workers=args.workers,
                                                       slip_fraction=args.slip_fraction,
-                                                      seed=args.seed))
+                                                      seed=args.seed, slip_kinds=slip_kinds))
     print(f"{split}: {written} transcripts -> {path}")
   return 0
 

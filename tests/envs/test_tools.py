@@ -79,6 +79,9 @@ def test_edit_file_errors_say_how_to_fix_the_call(tools, ws):
     tools.call("edit_file", {"path": "app.py", "search": " = 1", "replace": " = 2"})
   with pytest.raises(ToolError, match="`search` is empty"):
     tools.call("edit_file", {"path": "app.py", "search": "", "replace": "z"})
+  with pytest.raises(ToolError, match="`search` and `replace` are identical, so nothing would "
+                                      "change; put the new text in `replace`"):
+    tools.call("edit_file", {"path": "app.py", "search": "x + y", "replace": "x + y"})
   assert (ws.root / "app.py").read_text() == FILES["app.py"]
   assert tools.code_written == []
 

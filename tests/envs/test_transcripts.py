@@ -66,3 +66,29 @@ def test_slipped_edits_are_context_and_the_recovery_is_trained(tokenizer_512):
   plain = list(transcripts.oracle_transcripts(tasks[:2], workers=2))
   assert plain == list(transcripts.oracle_transcripts(tasks[:2], workers=2, slip_fraction=0.0))
   assert not any("weight" in m for r in plain for m in r["messages"])
+
+
+def test_no_op_slips_are_rejected_and_recovered_from():
+  """`replacement_is_search` slips: the edit tool rejects the no-op, the oracle then edits right;
+  with both kinds the edit slipped is the one the default kind slips (the kind is drawn after)."""
+  tasks = task_generator.generate(0, 6, split="train", levels=(1,))
+  both = ("search_is_replacement", "replacement_is_search")
+  default = list(transcripts.oracle_transcripts(tasks, workers=2, slip_fraction=1.0))
+  mixed = list(transcripts.oracle_transcripts(tasks, workers=2, slip_fraction=1.0,
+                                              slip_kinds=both))
+  kinds = []
+  for plain, record in zip(default, mixed):
+    slip_at = [i for i, m in enumerate(record["messages"]) if m.get("weight") == 0]
+    assert slip_at == [i for i, m in enumerate(plain["messages"]) if m.get("weight") == 0]
+    slip = json.loads(record["messages"][slip_at[0]]["tool_calls"][0]["function"]["arguments"])
+    retry = json.loads(record["messages"][slip_at[0] + 2]["tool_calls"][0]["function"]["arguments"])
+    error = record["messages"][slip_at[0] + 1]["content"]
+    if slip["search"] == retry["replace"]:  # the new text copied where the old belongs
+      kinds.append("search_is_replacement")
+      assert slip["replace"] == retry["replace"]
+      assert error.startswith("Error: edit_file: the search text does not occur")
+    else:
+      kinds.append("replacement_is_search")
+      assert slip["search"] == slip["replace"] == retry["search"] != retry["replace"]
+      assert error.startswith("Error: edit_file: `search` and `replace` are identical")
+  assert set(kinds) == set(both), kinds  # six draws: both kinds occur for this seed
