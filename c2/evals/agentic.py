@@ -1,5 +1,6 @@
-"""Agentic evaluation on held-out environment tasks: pass@1 and pass@k, reward per component,
-tokens, tool calls, turns and wall time per task, and the inference cost of each task.
+"""Agentic evaluation on held-out environment tasks: pass@1 and pass@k, the pass rate per task kind,
+reward per component, tokens, tool calls, turns and wall time per task, and the inference cost of
+each task.
 
     out = evaluate(cfg, params, tokenizer, tasks, samples=4, env_config=EnvConfig(),
                    sampling=SamplingParams(temperature=1.0, max_new_tokens=160), max_context=1536)
@@ -116,6 +117,8 @@ def summarize(cfg: ModelConfig, results: Sequence[tuple[Task, Optional[Rollout]]
     by_task[task.task_id].append(rollout is not None and rollout.passed)
   out = {f"pass_at_{k}": v for k, v in passk.pass_at_k_over_tasks(
       [(len(v), sum(v)) for v in by_task.values()], range(1, samples + 1)).items()}
+  out.update(rl_metrics.pass_rate_by_kind((t.tags, r is not None and r.passed)
+                                           for t, r in results))
   interval = rl_metrics.pass_rate((t.task_id, r is not None and r.passed) for t, r in results)
   out.update({k: v for k, v in interval.items() if k.startswith("pass_rate_ci")})
   rollouts = [r for _, r in results if r is not None]

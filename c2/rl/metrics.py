@@ -5,6 +5,7 @@
   sampled_metrics(log)              pass rate and reward of all rollouts finished since the last
                                     step, trained or dropped
   pass_rate(results)                held-out pass rate with a 95% confidence interval
+  pass_rate_by_kind(results)        held-out pass rate per task kind (the "kind:" tag)
   per_task_pass_rates(results)      task id -> fraction of its rollouts that passed
   pass_rate_change(start, end)      paired change of the pass rate over the same tasks, 95% CI
   train_sequences(groups)           the groups as c2.rl.packing.TrainSequence, with advantages
@@ -90,6 +91,17 @@ def pass_rate(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
   return {"pass_rate": mean, "pass_rate_ci_low": max(0.0, mean - half),
           "pass_rate_ci_high": min(1.0, mean + half), "tasks": float(len(means)),
           "rollouts": float(len(results))}
+
+
+def pass_rate_by_kind(results: Iterable[tuple[Sequence[str], bool]]) -> dict[str, float]:
+  """(task tags, passed) per rollout -> {"pass_rate/<kind>": mean} over the rollouts of each task
+  kind (tag "kind:<kind>"; tasks without one are left out). A mean over kinds hides which skill
+  is missing: the tiny SFT policies pass set_constant tasks or none, and no rename_symbol task."""
+  by_kind = collections.defaultdict(list)
+  for tags, passed in results:
+    for kind in (tag[len("kind:"):] for tag in tags if tag.startswith("kind:")):
+      by_kind[kind].append(bool(passed))
+  return {f"pass_rate/{kind}": float(np.mean(v)) for kind, v in sorted(by_kind.items())}
 
 
 def pass_rate_change(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:

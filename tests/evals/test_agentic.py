@@ -42,7 +42,8 @@ def test_rollout_flops_is_prefill_plus_decode_per_turn():
 
 def test_summary_scalars():
   cfg = get_preset("tiny")
-  tasks = [types.SimpleNamespace(task_id=f"t{i}") for i in range(3)]
+  tasks = [types.SimpleNamespace(task_id=f"t{i}", tags=("level:1", f"kind:{'ab'[i // 2]}"))
+           for i in range(3)]
   outcomes = {"t0": [True, False, False, False], "t1": [True, True, False, True],
               "t2": [False] * 4}
   results = []
@@ -58,6 +59,7 @@ def test_summary_scalars():
     expected = np.mean([passk.pass_at_k(4, sum(v), k) for v in outcomes.values()])
     assert out[f"pass_at_{k}"] == pytest.approx(expected)
   assert out["pass_at_1"] == pytest.approx(4 / 12)
+  assert out["pass_rate/a"] == pytest.approx(4 / 8) and out["pass_rate/b"] == 0.0
   assert out["tasks"] == 3 and out["rollouts"] == 12 and out["errors"] == 1
   assert out["reward/task"] == pytest.approx(4 / 11)
   assert out["reward/length_penalty"] == pytest.approx(0.1)
@@ -71,11 +73,12 @@ def test_summary_scalars():
 
 def test_prompts_that_fill_the_context_are_counted_and_refused(monkeypatch):
   cfg = get_preset("tiny")
-  task = types.SimpleNamespace(task_id="t0")
+  task = types.SimpleNamespace(task_id="t0", tags=())  # an external task: no kind tag
   no_room = _rollout([False] * 8, truncated=1)
   cut = _rollout([False] * 4 + [True] * 4, truncated=1)
   out = agentic.summarize(cfg, [(task, no_room), (task, cut)], samples=2, wall_seconds=1.0)
   assert out["truncated_rate"] == 1.0 and out["no_room_rate"] == 0.5
+  assert not any(key.startswith("pass_rate/") for key in out)
   monkeypatch.setattr(agentic, "run_rollouts", lambda *a, **k: [(task, no_room)] * 2)
   with pytest.raises(ValueError, match="max_context=8 .*--agentic-context"):
     agentic.evaluate(cfg, None, None, [task], samples=2, env_config=None, sampling=None,

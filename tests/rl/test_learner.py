@@ -86,6 +86,7 @@ def test_faults_and_resume_lose_no_group_and_train_none_twice(small_model, token
               "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/summaries_mean",
               "train/rl/kl", "eval/pass_rate_change", "eval/pass_rate_change_ci_low"):
     assert tag in tags, tag
+  assert any(tag.startswith("eval/pass_rate/") for tag in tags), sorted(tags)  # per task kind
   assert [e.step for e in tb.Scalars("reward/mean")] == [1, 2, 3, 4]
 
 

@@ -37,3 +37,12 @@ def test_pass_rate_change_is_paired_over_shared_tasks():
   same = metrics.pass_rate_change({"a": 0.0, "b": 0.5}, {"a": 0.25, "b": 0.75})
   assert same["pass_rate_change_ci_low"] == pytest.approx(0.25) == same["pass_rate_change"]
   assert metrics.pass_rate_change({"a": 1.0}, {"b": 1.0}) == {}
+
+
+def test_pass_rate_by_kind_averages_the_rollouts_of_each_kind_tag():
+  results = [(("level:1", "kind:set_constant"), True), (("kind:set_constant",), False),
+             (("kind:set_constant", "level:1"), True), (("kind:rename_symbol",), False),
+             ((), True)]  # an external task without a kind: in no kind's rate
+  assert metrics.pass_rate_by_kind(results) == {"pass_rate/rename_symbol": 0.0,
+                                                "pass_rate/set_constant": pytest.approx(2 / 3)}
+  assert metrics.pass_rate_by_kind([]) == {}
