@@ -58,6 +58,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     # RL"), so this does not show that the MTP loss is needed; it stays as measured.
     # Rows of 2,048 x 3 (first-fit packing: 1.91 transcripts per row, 89% tokens against 62%;
     # 1.30 vs 1.62 s/step) gave a five-round policy passing 0.047: within that spread, not kept.
+    # What separates the draws is one token kind: an edit's replacement copied from its search
+    # text (the old value) instead of the request (README "Where the draws differ"). Focal CE
+    # (--config.train.focal_gamma=2) moved data.seed 1 from 0.008 to 0.055: not kept.
     c.train.update(steps=140, max_minutes=30.0, eval_every=70, ce_weighted_only=True)
     c.checkpoint.update(every_steps=70)
   elif variant == "proxy":
