@@ -14,9 +14,10 @@ heldout splits of the generator.
 `--slip-fraction F`: in a fraction F of the transcripts one edit is first made wrongly and fails;
 the oracle then makes it right. `--slip-kinds` names the mistakes drawn from
 (policies.slipped_edit): by default its search text is its replacement; `replacement_is_search`
-makes the replacement its search text, which the edit tool rejects as a no-op. The failed reply carries "weight": 0, so SFT trains the recovery from the
-error, never the mistake. Without such transcripts a policy that makes one wrong call has seen no
-example of what follows an error, and its later calls degenerate (measured on the tiny model).
+makes the replacement its search text, which the edit tool rejects as a no-op. The failed reply
+carries "weight": 0, so SFT trains the recovery from the error, never the mistake. Without such
+transcripts a policy that makes one wrong call has seen no example of what follows an error, and
+its later calls degenerate (measured on the tiny model).
 """
 from __future__ import annotations
 
@@ -113,9 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tool-declaration", default="full", choices=("full", "compact", "none"),
                       help="how the prompt declares the tools (environment.TOOL_DECLARATIONS)")
   parser.add_argument("--slip-fraction", type=float, default=0.0,
-                      help="fraction of transcripts in which one edit is first tried with its "
-                           "replacement as the search text, fails, and is then made right (the "
-                           "failed reply is kept with weight 0: context, not trained on)")
+                      help="fraction of transcripts in which one edit is first tried wrongly "
+                           "(--slip-kinds), fails, and is then made right (the failed reply is "
+                           "kept with weight 0: context, not trained on)")
   parser.add_argument("--slip-kinds", default="search_is_replacement",
                       help=f"comma-separated kinds a slip is drawn from (policies.slipped_edit: "
                            f"{', '.join(SLIP_KINDS)})")
@@ -130,7 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   slip_kinds = tuple(args.slip_kinds.split(","))
   unknown = sorted(set(slip_kinds) - set(SLIP_KINDS))
   if unknown:
-    parser.error(f"--slip-kinds: unknown {', '.join(unknown)}; choose from {', '.join(SLIP_KINDS)}")
+    parser.error(f"--slip-kinds: unknown {', '.join(unknown)}; "
+                 f"choose from {', '.join(SLIP_KINDS)}")
   counts = {"train": args.count, "heldout": args.heldout_count or max(1, args.count // 4)}
   for split in SPLITS:
     tasks = task_generator.generate(args.seed, counts[split], split=split,
