@@ -117,7 +117,7 @@ def summarize(cfg: ModelConfig, results: Sequence[tuple[Task, Optional[Rollout]]
     by_task[task.task_id].append(rollout is not None and rollout.passed)
   out = {f"pass_at_{k}": v for k, v in passk.pass_at_k_over_tasks(
       [(len(v), sum(v)) for v in by_task.values()], range(1, samples + 1)).items()}
-  out.update(rl_metrics.pass_rate_by_kind((t.tags, r is not None and r.passed)
+  out.update(rl_metrics.pass_rate_by_kind((t.kind, r is not None and r.passed)
                                            for t, r in results))
   interval = rl_metrics.pass_rate((t.task_id, r is not None and r.passed) for t, r in results)
   out.update({k: v for k, v in interval.items() if k.startswith("pass_rate_ci")})

@@ -207,16 +207,16 @@ def evaluate(learner: Learner, version: int, timeout: float = 3600.0) -> dict:
     for k in range(learner.exp.rl.eval_samples):
       spec = RolloutSpec(-(i + 1), k, task.task_id, seed=10_007 * (i + 1) + k)
       futures.append((task, learner.backend.submit(spec, task)))
-  results, tagged = [], []
+  results, by_kind = [], []
   for task, future in futures:
     try:
       passed = future.result(timeout=max(deadline - time.time(), 1.0)).passed
     except Exception:  # pylint: disable=broad-except
       passed = False  # an eval rollout that dies counts as a failure
     results.append((task.task_id, passed))
-    tagged.append((task.tags, passed))
+    by_kind.append((task.kind, passed))
   out = {f"eval/{k}": v for k, v in rl_metrics.pass_rate(results).items()}
-  out.update({f"eval/{k}": v for k, v in rl_metrics.pass_rate_by_kind(tagged).items()})
+  out.update({f"eval/{k}": v for k, v in rl_metrics.pass_rate_by_kind(by_kind).items()})
   # Per-task rates kept beside the checkpoints (they survive a resume), so every later evaluation
   # states its change against the start, paired over the same tasks.
   per_task = rl_metrics.per_task_pass_rates(results)

@@ -5,7 +5,7 @@
   sampled_metrics(log)              pass rate and reward of all rollouts finished since the last
                                     step, trained or dropped
   pass_rate(results)                held-out pass rate with a 95% confidence interval
-  pass_rate_by_kind(results)        held-out pass rate per task kind (the "kind:" tag)
+  pass_rate_by_kind(results)        held-out pass rate per task kind (Task.kind)
   per_task_pass_rates(results)      task id -> fraction of its rollouts that passed
   pass_rate_change(start, end)      paired change of the pass rate over the same tasks, 95% CI
   train_sequences(groups)           the groups as c2.rl.packing.TrainSequence, with advantages
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -93,13 +93,13 @@ def pass_rate(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
           "rollouts": float(len(results))}
 
 
-def pass_rate_by_kind(results: Iterable[tuple[Sequence[str], bool]]) -> dict[str, float]:
-  """(task tags, passed) per rollout -> {"pass_rate/<kind>": mean} over the rollouts of each task
-  kind (tag "kind:<kind>"; tasks without one are left out). A mean over kinds hides which skill
-  is missing: the tiny SFT policies pass set_constant tasks or none, and no rename_symbol task."""
+def pass_rate_by_kind(results: Iterable[tuple[Optional[str], bool]]) -> dict[str, float]:
+  """(Task.kind, passed) per rollout -> {"pass_rate/<kind>": mean} over the rollouts of each task
+  kind (tasks without a kind are left out). A mean over kinds hides which skill is missing: the
+  tiny SFT policies pass set_constant tasks or none, and no rename_symbol task."""
   by_kind = collections.defaultdict(list)
-  for tags, passed in results:
-    for kind in (tag[len("kind:"):] for tag in tags if tag.startswith("kind:")):
+  for kind, passed in results:
+    if kind is not None:
       by_kind[kind].append(bool(passed))
   return {f"pass_rate/{kind}": float(np.mean(v)) for kind, v in sorted(by_kind.items())}
 

@@ -42,8 +42,7 @@ def test_rollout_flops_is_prefill_plus_decode_per_turn():
 
 def test_summary_scalars():
   cfg = get_preset("tiny")
-  tasks = [types.SimpleNamespace(task_id=f"t{i}", tags=("level:1", f"kind:{'ab'[i // 2]}"))
-           for i in range(3)]
+  tasks = [types.SimpleNamespace(task_id=f"t{i}", kind="ab"[i // 2]) for i in range(3)]
   outcomes = {"t0": [True, False, False, False], "t1": [True, True, False, True],
               "t2": [False] * 4}
   results = []
@@ -73,7 +72,7 @@ def test_summary_scalars():
 
 def test_prompts_that_fill_the_context_are_counted_and_refused(monkeypatch):
   cfg = get_preset("tiny")
-  task = types.SimpleNamespace(task_id="t0", tags=())  # an external task: no kind tag
+  task = types.SimpleNamespace(task_id="t0", kind=None)  # an external task: no kind tag
   no_room = _rollout([False] * 8, truncated=1)
   cut = _rollout([False] * 4 + [True] * 4, truncated=1)
   out = agentic.summarize(cfg, [(task, no_room), (task, cut)], samples=2, wall_seconds=1.0)

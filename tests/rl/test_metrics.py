@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from c2.envs.tasks import Task
 from c2.rl import metrics
 
 
@@ -40,9 +41,10 @@ def test_pass_rate_change_is_paired_over_shared_tasks():
 
 
 def test_pass_rate_by_kind_averages_the_rollouts_of_each_kind_tag():
-  results = [(("level:1", "kind:set_constant"), True), (("kind:set_constant",), False),
-             (("kind:set_constant", "level:1"), True), (("kind:rename_symbol",), False),
-             ((), True)]  # an external task without a kind: in no kind's rate
+  kind = lambda *tags: Task("t", "p", tags=tags).kind
+  results = [(kind("level:1", "kind:set_constant"), True), (kind("kind:set_constant"), False),
+             (kind("kind:set_constant", "level:1"), True), (kind("kind:rename_symbol"), False),
+             (kind(), True)]  # an external task without a kind: in no kind's rate
   assert metrics.pass_rate_by_kind(results) == {"pass_rate/rename_symbol": 0.0,
                                                 "pass_rate/set_constant": pytest.approx(2 / 3)}
   assert metrics.pass_rate_by_kind([]) == {}
